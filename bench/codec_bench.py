@@ -1,0 +1,204 @@
+"""Codec benchmark: first-chunk decode latency and batched streaming encode + decode throughput.
+
+    s2s bench codec [--quick] [--json PATH] [--plot PATH]
+
+Three measurements, side by side in one run on the same weights (seeded, weight norm folded):
+1. TTFA of the codec for one conversation: a fresh streaming decoder, the first frame pushed, until its samples are out;
+   next to transformers' `EncodecModel.decode` of that one frame (its fastest honest use: folded weights,
+   inference mode).
+2. Batched streaming: B conversations, each pushing `chunk` frames of PCM into one StreamingEncoder and `chunk` frames
+   of codes into one StreamingDecoder per tick. A tick must finish within `chunk` x 13.33 ms for the B conversations
+   to stay real time; `rtf` = tick time / audio time per tick (per conversation, < 1 is real time).
+3. Baseline: transformers' EnCodec in a per-frame loop, one conversation at a time (encode 320 samples, decode one
+   frame, both stateless), and transformers' offline batch over whole signals (the compute bound: no streaming at all).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import torch
+from tqdm import tqdm
+
+from bench.common import environment, parser, peak_rss_bytes, percentiles, print_table, timed, write_json
+from codec import EncodecTokenizer
+
+FRAME_MS = 1000 / 75
+
+
+def signal(rows: int, frames: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (0.3 * torch.randn(rows, frames * 320, generator=g)).clamp(-1, 1)
+
+
+@torch.inference_mode()
+def first_chunk(tok: EncodecTokenizer, repeats: int) -> list[dict]:
+    codes = tok.encode(signal(1, 16))
+    dec = tok.streaming_decoder(1)
+    fresh, steady, ref = [], [], []
+    for _ in range(repeats):
+        dec.reset(0)
+        t, _ = timed(dec.push, codes[..., :1])
+        fresh.append(t)
+        dec.push(codes[..., 1 : tok.decoder_warmup_frames])
+        t, _ = timed(dec.push, codes[..., tok.decoder_warmup_frames : tok.decoder_warmup_frames + 1])
+        steady.append(t)
+        t, _ = timed(tok.model.decode, codes[None, ..., :1], [None])
+        ref.append(t)
+    rows = []
+    for name, samples in (
+        ("streaming decoder, first frame", fresh),
+        ("streaming decoder, a later frame", steady),
+        ("transformers decode, one frame", ref),
+    ):
+        p = percentiles(samples, 1000)
+        rows.append({"bench": "first_chunk", "path": name, "repeats": repeats, **{f"ms_{k}": v for k, v in p.items()}})
+    return rows
+
+
+@torch.inference_mode()
+def streaming(tok: EncodecTokenizer, batch: int, chunk: int, ticks: int) -> dict:
+    warm = tok.encoder_warmup_frames + 1
+    pcm = signal(batch, warm + ticks * chunk, seed=batch * 100 + chunk)
+    codes = tok.encode(pcm)
+    enc, dec = tok.streaming_encoder(batch), tok.streaming_decoder(batch)
+    enc.push(pcm[:, : warm * 320])
+    dec.push(codes[..., :warm])
+    times = []
+    for i in range(ticks):
+        a = warm + i * chunk
+        t, _ = timed(lambda a=a: (enc.push(pcm[:, a * 320 : (a + chunk) * 320]), dec.push(codes[..., a : a + chunk])))
+        times.append(t)
+    audio_ms = chunk * FRAME_MS
+    p = percentiles(times, 1000)
+    return {
+        "bench": "streaming",
+        "conversations": batch,
+        "chunk_frames": chunk,
+        "ticks": ticks,
+        "tick_ms_p50": p["p50"],
+        "tick_ms_p95": p["p95"],
+        "tick_ms_p99": p["p99"],
+        "audio_ms_per_tick": audio_ms,
+        "rtf": p["p50"] / audio_ms,
+        "realtime": p["p95"] <= audio_ms,
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
+
+
+@torch.inference_mode()
+def baselines(tok: EncodecTokenizer, frames: int) -> list[dict]:
+    pcm = signal(1, frames)
+    codes = tok.encode(pcm)
+    per_frame = []
+    for f in range(frames):
+        t, _ = timed(
+            lambda f=f: (
+                tok.model.encode(pcm[:, None, f * 320 : (f + 1) * 320], bandwidth=tok.bandwidth),
+                tok.model.decode(codes[None, ..., f : f + 1], [None]),
+            )
+        )
+        per_frame.append(t)
+    p = percentiles(per_frame, 1000)
+    rows = [
+        {
+            "bench": "baseline",
+            "path": "transformers per-frame loop, 1 conversation",
+            "conversations": 1,
+            "chunk_frames": 1,
+            "tick_ms_p50": p["p50"],
+            "tick_ms_p95": p["p95"],
+            "rtf": p["p50"] / FRAME_MS,
+            "realtime_conversations": int(FRAME_MS // p["p50"]),
+        }
+    ]
+    batch, seconds = 16, 1
+    wav = signal(batch, 75 * seconds)
+    t, _ = timed(lambda: tok.model.decode(tok.model.encode(wav[:, None], bandwidth=tok.bandwidth).audio_codes, [None]))
+    rows.append(
+        {
+            "bench": "baseline",
+            "path": f"transformers offline batch of {batch} x {seconds} s (no streaming)",
+            "conversations": batch,
+            "chunk_frames": 75 * seconds,
+            "tick_ms_p50": t * 1000,
+            "rtf": t / seconds,
+            "realtime_conversations": int(batch * seconds / t),
+        }
+    )
+    return rows
+
+
+def plot(rows: list[dict], path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for chunk in sorted({r["chunk_frames"] for r in rows}):
+        pts = sorted((r["conversations"], r["rtf"]) for r in rows if r["chunk_frames"] == chunk)
+        ax.plot(*zip(*pts, strict=True), marker="o", label=f"chunk {chunk} frame{'s' if chunk > 1 else ''}")
+    ax.axhline(1.0, color="k", ls="--", lw=1, label="real time")
+    ax.set_xlabel("conversations in one batch")
+    ax.set_ylabel("RTF per conversation (tick time / audio time)")
+    ax.set_title("Streaming EnCodec encode + decode, CPU")
+    ax.set_xscale("log", base=2)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser("codec", __doc__.splitlines()[0]).parse_args(argv)
+    tok = EncodecTokenizer.from_pretrained()
+    batches, chunks, ticks_audio_frames = ([1, 16], [1, 4], 24) if args.quick else ([1, 4, 8, 16, 32], [1, 2, 4, 8], 64)
+    env = {**environment(), "bandwidth_kbps": tok.bandwidth, "num_codebooks": tok.num_codebooks, "quick": args.quick}
+
+    first = first_chunk(tok, repeats=10 if args.quick else 30)
+    stream = []
+    grid = [(b, c) for b in batches for c in chunks]
+    for b, c in tqdm(grid, desc="streaming configs", file=sys.stderr):
+        stream.append(streaming(tok, b, c, ticks=max(3, ticks_audio_frames // c)))
+    base = baselines(tok, frames=24 if args.quick else 75)
+
+    print_table(
+        "First-chunk decode (1 conversation)",
+        first,
+        [("path", "path"), ("ms_p50", "p50 ms"), ("ms_p95", "p95 ms"), ("ms_p99", "p99 ms")],
+    )
+    print_table(
+        "Batched streaming encode + decode",
+        stream,
+        [
+            ("conversations", "conversations"),
+            ("chunk_frames", "chunk frames"),
+            ("tick_ms_p50", "tick p50 ms"),
+            ("tick_ms_p95", "tick p95 ms"),
+            ("audio_ms_per_tick", "audio ms/tick"),
+            ("rtf", "RTF"),
+            ("realtime", "real time"),
+            ("peak_rss_bytes", "peak RSS B"),
+        ],
+    )
+    print_table(
+        "Baselines (transformers EnCodec, same weights)",
+        base,
+        [
+            ("path", "path"),
+            ("tick_ms_p50", "time ms p50"),
+            ("rtf", "RTF"),
+            ("realtime_conversations", "conversations real time"),
+        ],
+    )
+    for chunk in chunks:
+        fits = [r["conversations"] for r in stream if r["chunk_frames"] == chunk and r["realtime"]]
+        print(f"chunk {chunk}: most conversations real time = {max(fits) if fits else 0} (of {batches})")
+    rows = [{**env, **r} for r in first + stream + base]
+    write_json(args.json, rows)
+    plot(stream, args.plot)
+    print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""What every benchmark shares: argument parsing, percentiles, memory, tables, JSON rows and plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def parser(name: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"s2s bench {name}", description=description)
+    p.add_argument("--quick", action="store_true", help="a reduced run that finishes in under a minute")
+    p.add_argument("--json", type=Path, default=None, help="write one JSON row per measured configuration here")
+    p.add_argument("--plot", type=Path, default=RESULTS_DIR / f"{name}.png", help="where to write the PNG plot")
+    return p
+
+
+def percentiles(samples: Sequence[float], scale: float = 1.0) -> dict[str, float]:
+    """p50/p95/p99 of `samples` times `scale`, as a dict with those keys."""
+    a = np.asarray(samples, dtype=np.float64) * scale
+    return {f"p{q}": float(np.percentile(a, q)) for q in (50, 95, 99)}
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process so far (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def timed(fn, *args, **kwargs) -> tuple[float, object]:
+    t = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return time.perf_counter() - t, out
+
+
+def environment() -> dict:
+    return {
+        "host_cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+    }
+
+
+def print_table(title: str, rows: Iterable[dict], columns: Sequence[tuple[str, str]]) -> None:
+    """Print rows as a table; `columns` are (key, header) pairs; floats get 3 significant-ish digits."""
+    table = Table(title=title)
+    for _, header in columns:
+        table.add_column(header, justify="right")
+    for row in rows:
+        cells = []
+        for key, _ in columns:
+            v = row.get(key, "")
+            cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
+        table.add_row(*cells)
+    Console(width=200).print(table)
+
+
+def markdown_table(rows: Iterable[dict], columns: Sequence[tuple[str, str]]) -> str:
+    lines = ["| " + " | ".join(h for _, h in columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        vals = [row.get(k, "") for k, _ in columns]
+        lines.append("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in vals) + " |")
+    return "\n".join(lines)
+
+
+def write_json(path: Path | None, rows: list[dict]) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(json.dumps(r, sort_keys=True) for r in rows) + "\n")

@@ -1,0 +1,303 @@
+"""Stateful, chunk-invariant streaming of EnCodec's SEANet encoder and decoder.
+
+Each transformers layer is wrapped (sharing its weights) as a pure step `layer(x, state) -> (y, new_state)`.
+`state=None` starts a stream: the layer pads its left edge exactly as transformers does. After that the state carries
+what the next chunk needs and nothing is recomputed: a convolution keeps its last `padding` inputs, a transposed
+convolution the overlap it has not emitted yet, the LSTM its (h, c). States are tuples of tensors whose first dimension
+is the batch row, so many conversations share one batched call (`gather_rows` / `scatter_rows`).
+
+Transformers pads the left edge of every convolution by reflection, so the first frames of a stream depend on a few
+frames after them (6 frames at the latent rate, from the kernel-7 convolution there). `StreamingEncoder` therefore
+holds its first codes back until `warmup_frames` frames are in; `StreamingDecoder` emits at once and, until it has
+seen `warmup_frames` frames, decodes the row's short history from a fresh state each push, so that every sample it
+emits equals `decode()` of the codes known at that moment, and from frame `warmup_frames - 1` on equals `decode()` of
+the whole sequence.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.encodec.modeling_encodec import (
+    EncodecConv1d,
+    EncodecConvTranspose1d,
+    EncodecLSTM,
+    EncodecResnetBlock,
+)
+
+if TYPE_CHECKING:
+    from codec.tokenizer import EncodecTokenizer
+
+State = tuple  # nested tuples of tensors, batch row first
+
+
+class _Conv1d:
+    def __init__(self, m: EncodecConv1d):
+        if not m.causal or m.norm_type != "weight_norm":
+            raise ValueError("streaming needs causal convolutions without group norm")
+        self.conv = m.conv
+        k, s, d = m.conv.kernel_size[0], m.conv.stride[0], m.conv.dilation[0]
+        self.stride = s
+        self.padding = (k - 1) * d + 1 - s
+        self.pad_mode = m.pad_mode
+
+    def __call__(self, x: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
+        if x.shape[-1] % self.stride:
+            raise AssertionError("chunk length must be a multiple of the stride")
+        if self.padding == 0:
+            return self.conv(x), ()
+        if state is None:
+            x = EncodecConv1d._pad1d(x, (self.padding, 0), mode=self.pad_mode)
+        else:
+            x = torch.cat([state[0], x], dim=-1)
+        return self.conv(x), (x[..., -self.padding :],)
+
+
+class _ConvTranspose1d:
+    def __init__(self, m: EncodecConvTranspose1d):
+        if not m.causal or m.trim_right_ratio != 1.0 or m.norm_type != "weight_norm":
+            raise ValueError("streaming needs causal transposed convolutions trimmed on the right")
+        conv = m.conv
+        self.weight, self.bias, self.stride = conv.weight, conv.bias, conv.stride[0]
+        self.overlap = conv.kernel_size[0] - self.stride
+        if self.overlap > self.stride:
+            raise ValueError("overlap longer than one input step is not supported")
+
+    def __call__(self, x: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
+        y = F.conv_transpose1d(x, self.weight, None, self.stride)
+        n = x.shape[-1] * self.stride
+        if state is not None:
+            y[..., : self.overlap] += state[0]
+        out = y[..., :n]
+        if self.bias is not None:
+            out = out + self.bias[:, None]
+        return out, (y[..., n:],)
+
+
+class _LSTM:
+    def __init__(self, m: EncodecLSTM):
+        self.lstm = m.lstm
+
+    def __call__(self, x: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
+        seq = x.permute(2, 0, 1)
+        hc = None if state is None else (state[0].transpose(0, 1).contiguous(), state[1].transpose(0, 1).contiguous())
+        out, (h, c) = self.lstm(seq, hc)
+        return (out + seq).permute(1, 2, 0), (h.transpose(0, 1), c.transpose(0, 1))
+
+
+class _ELU:
+    def __init__(self, m: nn.ELU):
+        self.alpha = m.alpha
+
+    def __call__(self, x: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
+        return F.elu(x, self.alpha), ()
+
+
+class _Sequence:
+    def __init__(self, layers: Sequence[nn.Module]):
+        self.layers = [_wrap(layer) for layer in layers]
+
+    def __call__(self, x: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
+        new = []
+        for i, layer in enumerate(self.layers):
+            x, s = layer(x, None if state is None else state[i])
+            new.append(s)
+        return x, tuple(new)
+
+
+class _ResnetBlock:
+    def __init__(self, m: EncodecResnetBlock):
+        self.block = _Sequence(m.block)
+        self.shortcut = None if isinstance(m.shortcut, nn.Identity) else _wrap(m.shortcut)
+
+    def __call__(self, x: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
+        h, s_block = self.block(x, None if state is None else state[0])
+        if self.shortcut is None:
+            return x + h, (s_block, ())
+        r, s_short = self.shortcut(x, None if state is None else state[1])
+        return r + h, (s_block, s_short)
+
+
+def _wrap(m: nn.Module) -> Callable[[torch.Tensor, State | None], tuple[torch.Tensor, State]]:
+    for kind, wrapper in (
+        (EncodecConv1d, _Conv1d),
+        (EncodecConvTranspose1d, _ConvTranspose1d),
+        (EncodecLSTM, _LSTM),
+        (EncodecResnetBlock, _ResnetBlock),
+        (nn.ELU, _ELU),
+    ):
+        if isinstance(m, kind):
+            return wrapper(m)
+    raise TypeError(f"no streaming version of {type(m).__name__}")
+
+
+class StreamingNet(_Sequence):
+    """A SEANet encoder or decoder as a streaming step function over a batch of rows."""
+
+
+def gather_rows(state: State, idx: torch.Tensor) -> State:
+    if isinstance(state, torch.Tensor):
+        return state.index_select(0, idx)
+    return tuple(gather_rows(s, idx) for s in state)
+
+
+def scatter_rows(dst: State, idx: torch.Tensor, src: State) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.index_copy_(0, idx, src)
+        return
+    for d, s in zip(dst, src, strict=True):
+        scatter_rows(d, idx, s)
+
+
+def _empty_like_rows(state: State, rows: int) -> State:
+    if isinstance(state, torch.Tensor):
+        return state.new_zeros((rows, *state.shape[1:]))
+    return tuple(_empty_like_rows(s, rows) for s in state)
+
+
+class _RowStates:
+    """The carried state of `batch_size` rows, allocated on first use (its shapes come from the first run)."""
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+        self.state: State | None = None
+
+    def get(self, rows: list[int], device: torch.device) -> State:
+        assert self.state is not None
+        return gather_rows(self.state, torch.tensor(rows, device=device))
+
+    def put(self, rows: list[int], new: State, device: torch.device) -> None:
+        if self.state is None:
+            self.state = _empty_like_rows(new, self.batch_size)
+        scatter_rows(self.state, torch.tensor(rows, device=device), new)
+
+
+def _check_rows(rows: Sequence[int] | None, n: int, batch_size: int) -> list[int]:
+    rows = list(range(batch_size)) if rows is None else [int(r) for r in rows]
+    if len(rows) != n:
+        raise ValueError(f"got {n} rows of input for {len(rows)} row indices")
+    if len(set(rows)) != len(rows):
+        raise ValueError(f"row indices repeat: {rows}")
+    bad = [r for r in rows if not 0 <= r < batch_size]
+    if bad:
+        raise ValueError(f"row indices {bad} out of range for batch size {batch_size}")
+    return rows
+
+
+class StreamingEncoder:
+    """PCM in, codes out, for `batch_size` independent rows (conversations) in one batched call.
+
+    `push(pcm, rows)` takes, for each listed row, any number of new samples and returns, for each, the codes of the
+    frames that became complete: a LongTensor [K, f] (f may be 0). Codes equal `EncodecTokenizer.encode()` of the
+    whole signal exactly. A row's first codes come out once `warmup_frames` frames are in (the reflection padding at
+    the start of the signal looks that far ahead); after that each frame's codes come out as its 320th sample arrives.
+    """
+
+    def __init__(self, tokenizer: EncodecTokenizer, batch_size: int):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.tok = tokenizer
+        self.batch_size = batch_size
+        self.warmup_frames = tokenizer.encoder_warmup_frames
+        self._pending = [torch.zeros(0, device=tokenizer.device) for _ in range(batch_size)]
+        self._started = [False] * batch_size
+        self._states = _RowStates(batch_size)
+
+    def reset(self, row: int) -> None:
+        _check_rows([row], 1, self.batch_size)
+        self._pending[row] = self._pending[row][:0]
+        self._started[row] = False
+
+    @torch.inference_mode()
+    def push(
+        self, pcm: torch.Tensor | Sequence, rows: Sequence[int] | None = None, sample_rate: int | None = None
+    ) -> list[torch.Tensor]:
+        chunks = self.tok.check_pcm_rows(pcm, sample_rate)
+        rows = _check_rows(rows, len(chunks), self.batch_size)
+        fs = self.tok.frame_size
+        groups: dict[tuple[bool, int], list[int]] = defaultdict(list)
+        for r, chunk in zip(rows, chunks, strict=True):
+            self._pending[r] = torch.cat([self._pending[r], chunk])
+            ready = self._pending[r].numel() // fs
+            if ready and (self._started[r] or ready >= self.warmup_frames):
+                groups[(self._started[r], ready)].append(r)
+
+        out = {r: torch.zeros(self.tok.num_codebooks, 0, dtype=torch.long, device=self.tok.device) for r in rows}
+        for (started, ready), group in groups.items():
+            n = ready * fs
+            x = torch.stack([self._pending[r][:n] for r in group])[:, None, :]
+            state = self._states.get(group, x.device) if started else None
+            latent, new_state = self.tok.encoder_net(x, state)
+            self._states.put(group, new_state, x.device)
+            codes = self.tok.quantize(latent)
+            for i, r in enumerate(group):
+                out[r] = codes[i]
+                self._pending[r] = self._pending[r][n:]
+                self._started[r] = True
+        return [out[r] for r in rows]
+
+
+class StreamingDecoder:
+    """Codes in, PCM out, for `batch_size` independent rows (conversations) in one batched call.
+
+    `push(codes [R, K, n], rows)` returns [R, n * 320] samples: a frame's audio comes out in the push that brings its
+    codes. Until a row has `warmup_frames` frames, its few frames are decoded again from a fresh state each push (the
+    start of the stream looks ahead, see the module docstring); after that only the new frames are computed.
+    """
+
+    def __init__(self, tokenizer: EncodecTokenizer, batch_size: int):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.tok = tokenizer
+        self.batch_size = batch_size
+        self.warmup_frames = tokenizer.decoder_warmup_frames
+        self._history: list[torch.Tensor] = [self._no_codes() for _ in range(batch_size)]
+        self._frames = [0] * batch_size
+        self._states = _RowStates(batch_size)
+
+    def _no_codes(self) -> torch.Tensor:
+        return torch.zeros(self.tok.num_codebooks, 0, dtype=torch.long, device=self.tok.device)
+
+    def reset(self, row: int) -> None:
+        _check_rows([row], 1, self.batch_size)
+        self._history[row] = self._no_codes()
+        self._frames[row] = 0
+
+    @torch.inference_mode()
+    def push(self, codes: torch.Tensor, rows: Sequence[int] | None = None) -> torch.Tensor:
+        codes = self.tok.check_codes(codes)
+        rows = _check_rows(rows, codes.shape[0], self.batch_size)
+        n = codes.shape[-1]
+        fs = self.tok.frame_size
+        out = torch.empty(len(rows), n * fs, device=self.tok.device)
+
+        steady = [i for i, r in enumerate(rows) if self._frames[r] >= self.warmup_frames]
+        if steady:
+            group = [rows[i] for i in steady]
+            state = self._states.get(group, codes.device)
+            audio, new_state = self.tok.decoder_net(self.tok.dequantize(codes[steady]), state)
+            self._states.put(group, new_state, codes.device)
+            out[steady] = audio[:, 0]
+
+        by_length: dict[int, list[int]] = defaultdict(list)
+        for i, r in enumerate(rows):
+            if self._frames[r] < self.warmup_frames:
+                self._history[r] = torch.cat([self._history[r], codes[i]], dim=-1)
+                by_length[self._history[r].shape[-1]].append(i)
+        for idx in by_length.values():
+            group = [rows[i] for i in idx]
+            prefix = torch.stack([self._history[r] for r in group])
+            audio, new_state = self.tok.decoder_net(self.tok.dequantize(prefix), None)
+            self._states.put(group, new_state, codes.device)
+            out[idx] = audio[:, 0, -n * fs :]
+
+        for r in rows:
+            self._frames[r] += n
+            if self._frames[r] >= self.warmup_frames:
+                self._history[r] = self._no_codes()
+        return out

@@ -1,0 +1,217 @@
+"""EncodecTokenizer: 24 kHz PCM <-> multi-codebook codes, offline and streaming, on transformers' EnCodec."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import EncodecConfig, EncodecModel
+
+from codec.streaming import StreamingDecoder, StreamingEncoder, StreamingNet
+
+SAMPLE_RATE = 24000
+FRAME_SIZE = 320
+BANDWIDTHS = (1.5, 3.0, 6.0, 12.0, 24.0)
+
+
+def _weight_normed_convs(model: nn.Module) -> list[nn.Module]:
+    return [
+        m for m in model.modules() if isinstance(m, nn.Conv1d | nn.ConvTranspose1d) and hasattr(m, "parametrizations")
+    ]
+
+
+def _seed_codebooks(model: EncodecModel, generator: torch.Generator) -> None:
+    """Give a freshly initialised model codebooks that cover its own latent space (transformers leaves them zero).
+
+    Each codebook is drawn from a diagonal Gaussian fitted to the residual it will quantize, measured on seeded
+    noise, so random weights still give varied codes, with no near-duplicate entries (which would make ties).
+    """
+    noise = 0.3 * torch.randn(2 * SAMPLE_RATE, generator=generator)
+    residual = model.encoder(noise[None, None]).squeeze(0).T  # [frames, dim]
+    for layer in model.quantizer.layers:
+        book = layer.codebook
+        mean, std = residual.mean(0), residual.std(0)
+        book.embed.copy_(mean + std * torch.randn(book.embed.shape, generator=generator))
+        residual = residual - book.decode(book.encode(residual))
+
+
+class EncodecTokenizer:
+    """EnCodec 24 kHz as a tokenizer: `encode` PCM [B, T] to codes [B, K, F], `decode` codes back to PCM [B, F * 320].
+
+    Build it with `from_pretrained`. Weight norm is folded into plain weights for inference.
+    """
+
+    sample_rate = SAMPLE_RATE
+    frame_size = FRAME_SIZE
+    frame_rate = SAMPLE_RATE // FRAME_SIZE
+
+    def __init__(self, model: EncodecModel, bandwidth: float):
+        cfg = model.config
+        if bandwidth not in BANDWIDTHS or bandwidth not in cfg.target_bandwidths:
+            raise ValueError(f"bandwidth must be one of {list(cfg.target_bandwidths)} (kbps), got {bandwidth!r}")
+        problems = {
+            "sampling_rate": cfg.sampling_rate == SAMPLE_RATE,
+            "audio_channels": cfg.audio_channels == 1,
+            "use_causal_conv": cfg.use_causal_conv,
+            "chunk_length_s": cfg.chunk_length_s is None,
+            "normalize": not cfg.normalize,
+            "upsampling_ratios": math.prod(cfg.upsampling_ratios) == FRAME_SIZE,
+            "norm_type": cfg.norm_type == "weight_norm",
+        }
+        bad = [name for name, ok in problems.items() if not ok]
+        if bad:
+            raise ValueError(f"not a causal 24 kHz mono EnCodec with 320-sample frames: check config fields {bad}")
+        for conv in _weight_normed_convs(model):
+            torch.nn.utils.parametrize.remove_parametrizations(conv, "weight", leave_parametrized=True)
+        self.model = model.eval().requires_grad_(False)
+        self.bandwidth = float(bandwidth)
+        self.codebook_size = cfg.codebook_size
+        self.num_codebooks = model.quantizer.get_num_quantizers_for_bandwidth(self.bandwidth)
+        self.encoder_net = StreamingNet(model.encoder.layers)
+        self.decoder_net = StreamingNet(model.decoder.layers)
+        # A stream's start looks ahead by the left padding of the convolution that runs at the frame rate.
+        self.encoder_warmup_frames = self.encoder_net.layers[-1].padding + 1
+        self.decoder_warmup_frames = self.decoder_net.layers[0].padding + 1
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @classmethod
+    def from_pretrained(
+        cls, path: str | Path | None = None, bandwidth: float = 1.5, device: str | torch.device = "cpu", seed: int = 0
+    ) -> EncodecTokenizer:
+        """Load a Hugging Face EnCodec 24 kHz folder, or with `path=None` build that architecture from `seed`."""
+        if path is None:
+            with torch.random.fork_rng(devices=[]), torch.no_grad():
+                torch.manual_seed(seed)
+                model = EncodecModel(EncodecConfig())
+                _seed_codebooks(model, torch.Generator().manual_seed(seed))
+        else:
+            folder = Path(path)
+            if not (folder / "config.json").is_file():
+                raise FileNotFoundError(f"{folder} holds no config.json: not an EnCodec checkpoint folder")
+            model, info = EncodecModel.from_pretrained(folder, local_files_only=True, output_loading_info=True)
+            missing = [k for k in info["missing_keys"] if not k.endswith(("cluster_size", "embed_avg", "inited"))]
+            if missing or info["mismatched_keys"]:
+                raise ValueError(
+                    f"checkpoint in {folder} does not fit EncodecModel: missing {missing[:5]}, "
+                    f"mismatched {info['mismatched_keys'][:5]}"
+                )
+        return cls(model.to(device), bandwidth)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write a folder `EncodecModel.from_pretrained` (and `from_pretrained` here) loads: weight norm restored."""
+        model = copy.deepcopy(self.model)
+        for m in model.modules():
+            if isinstance(m, nn.Conv1d | nn.ConvTranspose1d):
+                torch.nn.utils.parametrizations.weight_norm(m)
+        model.save_pretrained(path)
+
+    # ---- input checks -------------------------------------------------------------------------------------------
+
+    def _as_float_tensor(self, wav: torch.Tensor | np.ndarray, what: str) -> torch.Tensor:
+        if isinstance(wav, np.ndarray):
+            if wav.dtype not in (np.float32, np.float64):
+                raise ValueError(f"{what} must be float32 PCM in [-1, 1], got numpy dtype {wav.dtype}")
+            wav = torch.from_numpy(np.ascontiguousarray(wav, dtype=np.float32))
+        elif isinstance(wav, torch.Tensor):
+            if wav.dtype not in (torch.float32, torch.float64):
+                raise ValueError(f"{what} must be float32 PCM in [-1, 1], got torch dtype {wav.dtype}")
+            wav = wav.float()
+        else:
+            raise ValueError(f"{what} must be a numpy array or torch tensor, got {type(wav).__name__}")
+        if wav.numel() and not torch.isfinite(wav).all():
+            raise ValueError(f"{what} holds NaN or inf")
+        if wav.numel() and wav.abs().max() > 1.0:
+            raise ValueError(f"{what} has samples outside [-1, 1] (peak {wav.abs().max():.3g}): normalise it first")
+        return wav.to(self.device)
+
+    def _check_rate(self, sample_rate: int | None) -> None:
+        if sample_rate is not None and sample_rate != self.sample_rate:
+            raise ValueError(
+                f"audio is {sample_rate} Hz but the codec takes {self.sample_rate} Hz: resample it first "
+                "(for example with soxr.resample)"
+            )
+
+    def check_pcm(self, wav: torch.Tensor | np.ndarray, sample_rate: int | None = None) -> torch.Tensor:
+        """Validate offline input `[T]` or `[B, T]`; return float32 `[B, T]` on the codec's device."""
+        self._check_rate(sample_rate)
+        wav = self._as_float_tensor(wav, "wav")
+        if wav.dim() not in (1, 2):
+            raise ValueError(f"wav must have shape [T] or [B, T], got {tuple(wav.shape)}")
+        wav = wav if wav.dim() == 2 else wav[None]
+        if wav.numel() == 0:
+            raise ValueError(f"wav is empty: shape {tuple(wav.shape)}")
+        return wav
+
+    def check_pcm_rows(self, pcm: torch.Tensor | np.ndarray | Sequence, sample_rate: int | None = None) -> list:
+        """Validate streaming input: `[R, S]` or a sequence of R 1-D chunks (lengths may differ, even be 0)."""
+        self._check_rate(sample_rate)
+        if isinstance(pcm, torch.Tensor | np.ndarray):
+            if pcm.ndim != 2:
+                raise ValueError(f"pcm must have shape [rows, samples] or be a list of 1-D chunks, got {pcm.shape}")
+            pcm = list(pcm)
+        chunks = [self._as_float_tensor(c, "pcm chunk") for c in pcm]
+        if not chunks:
+            raise ValueError("pcm holds no rows")
+        if any(c.dim() != 1 for c in chunks):
+            raise ValueError("each pcm chunk must be 1-D")
+        return chunks
+
+    def check_codes(self, codes: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """Validate codes `[B, K, F]`: integer, K codebooks, values in [0, codebook_size), non-empty."""
+        if isinstance(codes, np.ndarray):
+            codes = torch.from_numpy(codes)
+        if not isinstance(codes, torch.Tensor):
+            raise ValueError(f"codes must be a tensor, got {type(codes).__name__}")
+        if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+            raise ValueError(f"codes must be integers, got {codes.dtype}")
+        if codes.dim() != 3:
+            raise ValueError(f"codes must have shape [B, K, F], got {tuple(codes.shape)}")
+        if codes.shape[1] != self.num_codebooks:
+            raise ValueError(
+                f"codes have {codes.shape[1]} codebooks but the codec at {self.bandwidth} kbps "
+                f"uses {self.num_codebooks}"
+            )
+        if codes.numel() == 0:
+            raise ValueError(f"codes are empty: shape {tuple(codes.shape)}")
+        lo, hi = int(codes.min()), int(codes.max())
+        if lo < 0 or hi >= self.codebook_size:
+            raise ValueError(f"codes must lie in [0, {self.codebook_size}), got values in [{lo}, {hi}]")
+        return codes.long().to(self.device)
+
+    # ---- offline paths ------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode(self, wav: torch.Tensor | np.ndarray, sample_rate: int | None = None) -> torch.Tensor:
+        """PCM `[T]` or `[B, T]` (float32 in [-1, 1], 24 kHz) -> codes `[B, K, ceil(T / 320)]`."""
+        wav = self.check_pcm(wav, sample_rate)
+        return self.model.encode(wav[:, None, :], bandwidth=self.bandwidth).audio_codes[0]
+
+    @torch.inference_mode()
+    def decode(self, codes: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """Codes `[B, K, F]` -> PCM `[B, F * 320]`."""
+        codes = self.check_codes(codes)
+        return self.model.decode(codes[None], [None]).audio_values[:, 0, :]
+
+    def quantize(self, latent: torch.Tensor) -> torch.Tensor:
+        """Encoder output `[B, D, F]` -> codes `[B, K, F]`."""
+        return self.model.quantizer.encode(latent, self.bandwidth).transpose(0, 1)
+
+    def dequantize(self, codes: torch.Tensor) -> torch.Tensor:
+        """Codes `[B, K, F]` -> decoder input `[B, D, F]`."""
+        return self.model.quantizer.decode(codes.transpose(0, 1))
+
+    # ---- streaming ----------------------------------------------------------------------------------------------
+
+    def streaming_encoder(self, batch_size: int) -> StreamingEncoder:
+        return StreamingEncoder(self, batch_size)
+
+    def streaming_decoder(self, batch_size: int) -> StreamingDecoder:
+        return StreamingDecoder(self, batch_size)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Set up .venv with the project and its dev tools. Idempotent: a second run only checks.
+# Without an NVIDIA GPU, torch is the 2.13.0 CPU build that lies on local disk (any other version is a huge download).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    missing=""
+    command -v espeak-ng >/dev/null || missing="$missing espeak-ng"
+    command -v sox >/dev/null || missing="$missing sox"
+    if [ -n "$missing" ]; then
+        apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null \
+            || echo "setup: could not install$missing; tests fall back to the speech sample in tests/data" >&2
+    fi
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+py=.venv/bin/python
+if ! $py -c "import torch" 2>/dev/null; then
+    if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+        $py -m pip install -q torch
+    else
+        $py -m pip install -q torch==2.13.0
+    fi
+fi
+$py -m pip install -q -e '.[dev]' 2>&1 | grep -v "^WARNING: Location" || true
+$py -c "import codec, s2s" # fails loudly if the install did not take
