@@ -16,6 +16,7 @@ Three measurements, side by side in one run on the same weights (seeded, weight 
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import matplotlib
 
@@ -61,22 +62,36 @@ def first_chunk(tok: EncodecTokenizer, repeats: int) -> list[dict]:
 
 
 @torch.inference_mode()
-def streaming(tok: EncodecTokenizer, batch: int, chunk: int, ticks: int) -> dict:
+def streaming(tok: EncodecTokenizer, batch: int, chunk: int, ticks: int, pool: ThreadPoolExecutor | None) -> dict:
+    """One config; with `pool`, the encoder and decoder run at once on two threads with one intra-op thread each."""
     warm = tok.encoder_warmup_frames + 1
     pcm = signal(batch, warm + ticks * chunk, seed=batch * 100 + chunk)
     codes = tok.encode(pcm)
     enc, dec = tok.streaming_encoder(batch), tok.streaming_decoder(batch)
     enc.push(pcm[:, : warm * 320])
     dec.push(codes[..., :warm])
-    times = []
-    for i in range(ticks):
-        a = warm + i * chunk
-        t, _ = timed(lambda a=a: (enc.push(pcm[:, a * 320 : (a + chunk) * 320]), dec.push(codes[..., a : a + chunk])))
-        times.append(t)
+
+    def tick(a: int) -> None:
+        if pool is None:
+            enc.push(pcm[:, a * 320 : (a + chunk) * 320])
+            dec.push(codes[..., a : a + chunk])
+        else:
+            jobs = [
+                pool.submit(enc.push, pcm[:, a * 320 : (a + chunk) * 320]),
+                pool.submit(dec.push, codes[..., a : a + chunk]),
+            ]
+            for job in jobs:
+                job.result()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if pool else threads)
+    times = [timed(tick, warm + i * chunk)[0] for i in range(ticks)]
+    torch.set_num_threads(threads)
     audio_ms = chunk * FRAME_MS
     p = percentiles(times, 1000)
     return {
         "bench": "streaming",
+        "threads": "enc and dec in parallel, 1 thread each" if pool else f"enc then dec, {torch.get_num_threads()} threads",
         "conversations": batch,
         "chunk_frames": chunk,
         "ticks": ticks,
@@ -133,18 +148,28 @@ def baselines(tok: EncodecTokenizer, frames: int) -> list[dict]:
     return rows
 
 
+def _styles():
+    for color in ("C0", "C1", "C2", "C3"):
+        for ls in ("-", ":"):
+            yield {"color": color, "ls": ls, "marker": "o"}
+
+
 def plot(rows: list[dict], path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for chunk in sorted({r["chunk_frames"] for r in rows}):
-        pts = sorted((r["conversations"], r["rtf"]) for r in rows if r["chunk_frames"] == chunk)
-        ax.plot(*zip(*pts, strict=True), marker="o", label=f"chunk {chunk} frame{'s' if chunk > 1 else ''}")
+    for (chunk, threads), style in zip(
+        sorted({(r["chunk_frames"], r["threads"]) for r in rows}), _styles(), strict=False
+    ):
+        pts = sorted(
+            (r["conversations"], r["rtf"]) for r in rows if (r["chunk_frames"], r["threads"]) == (chunk, threads)
+        )
+        ax.plot(*zip(*pts, strict=True), **style, label=f"chunk {chunk}, {threads}")
     ax.axhline(1.0, color="k", ls="--", lw=1, label="real time")
     ax.set_xlabel("conversations in one batch")
     ax.set_ylabel("RTF per conversation (tick time / audio time)")
     ax.set_title("Streaming EnCodec encode + decode, CPU")
     ax.set_xscale("log", base=2)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -152,25 +177,30 @@ def plot(rows: list[dict], path) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parser("codec", __doc__.splitlines()[0]).parse_args(argv)
     tok = EncodecTokenizer.from_pretrained()
-    batches, chunks, ticks_audio_frames = ([1, 16], [1, 4], 24) if args.quick else ([1, 4, 8, 16, 32], [1, 2, 4, 8], 64)
+    batches, chunks, ticks_audio_frames = (
+        ([1, 16], [1, 4], 24) if args.quick else ([1, 4, 8, 12, 16, 32], [1, 2, 4, 8], 64)
+    )
     env = {**environment(), "bandwidth_kbps": tok.bandwidth, "num_codebooks": tok.num_codebooks, "quick": args.quick}
 
     first = first_chunk(tok, repeats=10 if args.quick else 30)
     stream = []
-    grid = [(b, c) for b in batches for c in chunks]
-    for b, c in tqdm(grid, desc="streaming configs", file=sys.stderr):
-        stream.append(streaming(tok, b, c, ticks=max(3, ticks_audio_frames // c)))
+    pool = ThreadPoolExecutor(2)
+    grid = [(b, c, p) for b in batches for c in chunks for p in (None, pool)]
+    for b, c, p in tqdm(grid, desc="streaming configs", file=sys.stderr):
+        stream.append(streaming(tok, b, c, ticks=max(3, ticks_audio_frames // c), pool=p))
     base = baselines(tok, frames=24 if args.quick else 75)
 
-    print_table(
+    tables = []
+    tables += print_table(
         "First-chunk decode (1 conversation)",
         first,
         [("path", "path"), ("ms_p50", "p50 ms"), ("ms_p95", "p95 ms"), ("ms_p99", "p99 ms")],
     )
-    print_table(
+    tables += print_table(
         "Batched streaming encode + decode",
         stream,
         [
+            ("threads", "threads"),
             ("conversations", "conversations"),
             ("chunk_frames", "chunk frames"),
             ("tick_ms_p50", "tick p50 ms"),
@@ -181,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
             ("peak_rss_bytes", "peak RSS B"),
         ],
     )
-    print_table(
+    tables += print_table(
         "Baselines (transformers EnCodec, same weights)",
         base,
         [
@@ -191,13 +221,18 @@ def main(argv: list[str] | None = None) -> None:
             ("realtime_conversations", "conversations real time"),
         ],
     )
-    for chunk in chunks:
-        fits = [r["conversations"] for r in stream if r["chunk_frames"] == chunk and r["realtime"]]
-        print(f"chunk {chunk}: most conversations real time = {max(fits) if fits else 0} (of {batches})")
+    for threads in sorted({r["threads"] for r in stream}):
+        for chunk in chunks:
+            rows = [r for r in stream if r["chunk_frames"] == chunk and r["threads"] == threads]
+            fits = [r["conversations"] for r in rows if r["realtime"]]
+            line = f"{threads}, chunk {chunk}: most conversations real time = {max(fits, default=0)} of {batches}"
+            print(line)
+            tables.append(f"- {line}")
     rows = [{**env, **r} for r in first + stream + base]
     write_json(args.json, rows)
     plot(stream, args.plot)
-    print(f"plot: {args.plot}")
+    args.plot.with_suffix(".md").write_text("\n\n".join(tables) + "\n")
+    print(f"plot: {args.plot}; markdown tables: {args.plot.with_suffix('.md')}")
 
 
 if __name__ == "__main__":

@@ -54,8 +54,9 @@ def environment() -> dict:
     }
 
 
-def print_table(title: str, rows: Iterable[dict], columns: Sequence[tuple[str, str]]) -> None:
-    """Print rows as a table; `columns` are (key, header) pairs; floats get 3 significant-ish digits."""
+def print_table(title: str, rows: Iterable[dict], columns: Sequence[tuple[str, str]]) -> list[str]:
+    """Print rows as a table and return it as markdown; `columns` are (key, header) pairs."""
+    rows = list(rows)
     table = Table(title=title)
     for _, header in columns:
         table.add_column(header, justify="right")
@@ -66,6 +67,7 @@ def print_table(title: str, rows: Iterable[dict], columns: Sequence[tuple[str, s
             cells.append(f"{v:.3g}" if isinstance(v, float) else str(v))
         table.add_row(*cells)
     Console(width=200).print(table)
+    return [f"**{title}**\n\n{markdown_table(rows, columns)}"]
 
 
 def markdown_table(rows: Iterable[dict], columns: Sequence[tuple[str, str]]) -> str:

@@ -80,14 +80,47 @@ class _ConvTranspose1d:
 
 
 class _LSTM:
+    """EnCodec's LSTM with its skip connection, stepped by hand.
+
+    torch's CPU LSTM (oneDNN) re-packs its weights on every call, which costs more than the step itself when a call
+    holds a few frames. Here the input projection of all frames is one matmul and each frame one matmul per layer.
+    """
+
     def __init__(self, m: EncodecLSTM):
-        self.lstm = m.lstm
+        lstm = m.lstm
+        self.layers = [
+            (
+                getattr(lstm, f"weight_ih_l{i}").T.contiguous(),
+                getattr(lstm, f"weight_hh_l{i}").T.contiguous(),
+                getattr(lstm, f"bias_ih_l{i}") + getattr(lstm, f"bias_hh_l{i}"),
+            )
+            for i in range(lstm.num_layers)
+        ]
+        self.hidden = lstm.hidden_size
 
     def __call__(self, x: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
-        seq = x.permute(2, 0, 1)
-        hc = None if state is None else (state[0].transpose(0, 1).contiguous(), state[1].transpose(0, 1).contiguous())
-        out, (h, c) = self.lstm(seq, hc)
-        return (out + seq).permute(1, 2, 0), (h.transpose(0, 1), c.transpose(0, 1))
+        seq = x.transpose(1, 2)  # [B, T, C]
+        batch, steps = seq.shape[0], seq.shape[1]
+        if state is None:
+            h0 = c0 = seq.new_zeros(batch, len(self.layers), self.hidden)
+        else:
+            h0, c0 = state
+        hs, cs = [], []
+        out = seq
+        for i, (w_ih, w_hh, bias) in enumerate(self.layers):
+            gates_in = torch.addmm(bias, out.reshape(batch * steps, -1), w_ih).view(batch, steps, -1)
+            h, c = h0[:, i], c0[:, i]
+            outs = []
+            for t in range(steps):
+                gates = torch.addmm(gates_in[:, t], h, w_hh)
+                i_g, f_g, g_g, o_g = gates.chunk(4, dim=-1)
+                c = torch.sigmoid(f_g) * c + torch.sigmoid(i_g) * torch.tanh(g_g)
+                h = torch.sigmoid(o_g) * torch.tanh(c)
+                outs.append(h)
+            out = torch.stack(outs, dim=1)
+            hs.append(h)
+            cs.append(c)
+        return (out + seq).transpose(1, 2), (torch.stack(hs, 1), torch.stack(cs, 1))
 
 
 class _ELU:
