@@ -1,0 +1,83 @@
+"""PagedBatch: what one batched forward needs to read and write K/V through a page table.
+
+A batch holds S sequences; sequence s brings `new_len` new steps on top of `cached_len` steps whose K/V already sit
+in its pages. Decode is `new_len == 1`, extend (prefill of a prompt or a turn, on top of a cached prefix) is more.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PagedBatch:
+    positions: torch.Tensor  # [N] absolute step position of each new token
+    slot_mapping: torch.Tensor  # [N] page * page_size + offset where its K/V goes
+    page_table: torch.Tensor  # [S, max_pages] int32
+    cu_seqlens_q: torch.Tensor  # [S + 1] offsets of each sequence's new tokens
+    seqlens_k: torch.Tensor  # [S] cached + new steps
+    page_size: int
+    cached_lens: list[int]
+    new_lens: list[int]
+    pages: list[list[int]]
+
+    @classmethod
+    def build(
+        cls,
+        cached_lens: Sequence[int],
+        new_lens: Sequence[int],
+        pages: Sequence[Sequence[int]],
+        page_size: int,
+        device: str | torch.device = "cpu",
+    ) -> PagedBatch:
+        """`pages[s]` must cover `cached_lens[s] + new_lens[s]` steps; pages a sliding window dropped may be 0."""
+        if not (len(cached_lens) == len(new_lens) == len(pages)) or not pages:
+            raise ValueError("cached_lens, new_lens and pages must be non-empty and of equal length")
+        positions, slots = [], []
+        for cached, new, table in zip(cached_lens, new_lens, pages, strict=True):
+            if new < 1 or cached < 0:
+                raise ValueError(f"each sequence needs >= 1 new step and >= 0 cached ones, got {new} and {cached}")
+            if len(table) * page_size < cached + new:
+                raise ValueError(f"{len(table)} pages of {page_size} cannot hold {cached + new} steps")
+            for p in range(cached, cached + new):
+                positions.append(p)
+                slots.append(table[p // page_size] * page_size + p % page_size)
+        width = max(len(t) for t in pages)
+        table = torch.zeros(len(pages), width, dtype=torch.int32)
+        for s, t in enumerate(pages):
+            table[s, : len(t)] = torch.tensor(list(t), dtype=torch.int32)
+        cu = torch.zeros(len(pages) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(list(new_lens)).cumsum(0)
+        return cls(
+            positions=torch.tensor(positions, device=device),
+            slot_mapping=torch.tensor(slots, device=device),
+            page_table=table.to(device),
+            cu_seqlens_q=cu.to(device),
+            seqlens_k=torch.tensor([c + n for c, n in zip(cached_lens, new_lens, strict=True)], device=device),
+            page_size=page_size,
+            cached_lens=list(cached_lens),
+            new_lens=list(new_lens),
+            pages=[list(t) for t in pages],
+        )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.new_lens)
+
+    def pages_out_of_window(self, window: int | None) -> list[list[int]]:
+        """Per sequence, the pages that left its attention window in this step (none without a window).
+
+        After this step the next query sits at position L = cached + new and sees keys > L - window, so a page whose
+        last position is <= L - window is no longer read.
+        """
+        if window is None:
+            return [[] for _ in self.pages]
+        out = []
+        for cached, new, table in zip(self.cached_lens, self.new_lens, self.pages, strict=True):
+            before = max(0, (cached - window + 1) // self.page_size)
+            after = max(0, (cached + new - window + 1) // self.page_size)
+            out.append(list(table[before:after]))
+        return out

@@ -1,0 +1,262 @@
+"""s2s/ model: backbone equals transformers' LlamaModel, the paged forward equals the no-cache reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+
+from s2s import ModelConfig, PagedBatch, S2SModel, SamplingParams, sample
+from s2s.delay import frames_to_steps, steps_to_frames
+
+
+class Pages:
+    """A minimal page table for tests: one K/V tensor per layer and a free list (cache/ does the real thing)."""
+
+    def __init__(self, cfg: ModelConfig, page_size: int, num_pages: int = 512):
+        shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
+        self.k = [torch.full(shape, float("nan")) for _ in range(cfg.num_hidden_layers)]  # unwritten = poison
+        self.v = [torch.full(shape, float("nan")) for _ in range(cfg.num_hidden_layers)]
+        self.page_size = page_size
+        self.free = list(range(num_pages - 1, 0, -1))
+        self.tables: dict[int, list[int]] = {}
+
+    def grow(self, seq: int, steps: int) -> list[int]:
+        table = self.tables.setdefault(seq, [])
+        while len(table) * self.page_size < steps:
+            table.append(self.free.pop())
+        return table
+
+    def step(self, model: S2SModel, seqs: list[tuple[int, torch.Tensor, int]]):
+        """seqs: (seq id, new tokens [n, 2K], cached steps). Runs one batched paged forward."""
+        tables = [self.grow(s, cached + len(t)) for s, t, cached in seqs]
+        batch = PagedBatch.build([c for _, _, c in seqs], [len(t) for _, t, _ in seqs], tables, self.page_size)
+        return model.forward_paged(torch.cat([t for _, t, _ in seqs]), batch, self.k, self.v), batch
+
+
+def random_tokens(cfg: ModelConfig, steps: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.vocab_size, (steps, cfg.step_width), generator=g)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> S2SModel:
+    return S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0)
+
+
+# ---- config and backbone ------------------------------------------------------------------------------------------
+
+
+def test_presets_and_config_round_trip(tmp_path) -> None:
+    sizes = {}
+    for name in ("tiny", "small", "base", "large"):
+        cfg = ModelConfig.preset(name, num_codebooks=8)
+        with torch.device("meta"):
+            sizes[name] = sum(p.numel() for p in S2SModel(cfg).parameters())
+    assert sizes["tiny"] < sizes["small"] < 20e6
+    assert 70e6 < sizes["base"] < 150e6 and 0.7e9 < sizes["large"] < 1.5e9
+    cfg = ModelConfig.preset("small", num_codebooks=4, sliding_window=128)
+    cfg.save(tmp_path)
+    assert ModelConfig.load(tmp_path) == cfg
+    assert cfg.delays == [0, 1, 2, 3] and cfg.step_width == 8
+    for bad in (dict(delays=[0, 1, 2]), dict(num_key_value_heads=3), dict(sliding_window=0)):
+        with pytest.raises(ValueError, match="bad ModelConfig"):
+            ModelConfig.preset("tiny", **bad)
+    with pytest.raises(ValueError, match="unknown preset"):
+        ModelConfig.preset("huge")
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4, 1])
+def test_backbone_equals_transformers_llama(kv_heads: int) -> None:
+    cfg = ModelConfig.preset("tiny", num_key_value_heads=kv_heads)
+    model = S2SModel.from_seed(cfg, seed=1)
+    ref = LlamaModel(cfg.to_llama_config()).eval()
+    missing, unexpected = ref.load_state_dict(model.backbone.state_dict(), strict=False)
+    assert missing == ["embed_tokens.weight"] and unexpected == []
+    x = torch.randn(3, 29, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref(inputs_embeds=x).last_hidden_state
+    assert (model.backbone(x) - want).abs().max() <= 1e-4
+
+
+# ---- paged forward ------------------------------------------------------------------------------------------------
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40)), min_size=1, max_size=4),
+    page_size=st.sampled_from([1, 16, 5]),
+    window=st.sampled_from([None, 7]),
+    seed=st.integers(0, 100),
+)
+def test_paged_forward_equals_reference(lengths, page_size, window, seed) -> None:
+    """Each sequence: a prompt prefilled in one extend, then a mix of decode and extend chunks, all batched."""
+    cfg = ModelConfig.preset("tiny", sliding_window=window)
+    model = S2SModel.from_seed(cfg, seed=0)
+    seqs = [random_tokens(cfg, a + b, seed + i) for i, (a, b) in enumerate(lengths)]
+    ref = [model(t[None])[0] for t in seqs]
+    pages = Pages(cfg, page_size)
+    pos = [0] * len(seqs)
+    prompt = [a for a, _ in lengths]
+    rng = torch.Generator().manual_seed(seed)
+    while any(p < len(t) for p, t in zip(pos, seqs, strict=True)):
+        todo = []
+        for s, t in enumerate(seqs):
+            if pos[s] < len(t):
+                n = prompt[s] if pos[s] == 0 else int(torch.randint(1, 4, (1,), generator=rng))
+                todo.append((s, t[pos[s] : pos[s] + n], pos[s]))
+        out, _ = pages.step(model, todo)
+        for j, (s, toks, cached) in enumerate(todo):
+            pos[s] = cached + len(toks)
+            assert (out.logits[j] - ref[s][pos[s] - 1]).abs().max() <= 1e-4, (s, pos[s])
+
+
+def test_sliding_window_reports_pages_and_bounds_memory() -> None:
+    """Pages reported out of window can be reused by someone else without changing the output."""
+    cfg = ModelConfig.preset("tiny", sliding_window=8)
+    model = S2SModel.from_seed(cfg, seed=0)
+    toks = random_tokens(cfg, 60, seed=3)
+    ref = model(toks[None])[0]
+    page_size = 4
+    pages = Pages(cfg, page_size, num_pages=8)  # 7 usable pages = 28 steps: less than the 60-step sequence
+    table: list[int] = []
+    live = 0
+    for t in range(60):
+        while len(table) * page_size <= t:
+            table.append(pages.free.pop())
+        batch = PagedBatch.build([t], [1], [table], page_size)
+        out = model.forward_paged(toks[t : t + 1], batch, pages.k, pages.v)
+        assert (out.logits[0] - ref[t]).abs().max() <= 1e-4
+        for p in out.dropped_pages[0]:
+            table[table.index(p)] = 0  # the page table keeps its shape; position maps to the padding page
+            for layer in range(cfg.num_hidden_layers):
+                pages.k[layer][p] = float("nan")  # whoever gets the page next overwrites it
+            pages.free.append(p)
+        live = max(live, sum(1 for p in table if p))
+    assert live <= 8 // page_size + 2
+    assert PagedBatch.build([0], [3], [[1]], 4).pages_out_of_window(None) == [[]]
+
+
+# ---- generation, sampling -----------------------------------------------------------------------------------------
+
+
+def generate(model: S2SModel, prompts: list[torch.Tensor], frames: int, params: list[SamplingParams]) -> list:
+    """Prefill each prompt, then decode `frames` steps; the user stream is silent, the model stream is sampled."""
+    cfg = model.config
+    pages = Pages(cfg, page_size=16)
+    gens = [p.generator() for p in params]
+    out, _ = pages.step(model, [(s, p, 0) for s, p in enumerate(prompts)])
+    lens = [len(p) for p in prompts]
+    produced = [[] for _ in prompts]
+    for _ in range(frames):
+        nxt = sample(out.logits, params, gens, banned_id=cfg.pad_id)
+        steps = []
+        for s, codes in enumerate(nxt):
+            user = torch.full((cfg.num_codebooks,), cfg.silent_id)
+            tok = torch.cat([user, codes])[None]
+            produced[s].append(codes)
+            steps.append((s, tok, lens[s]))
+            lens[s] += 1
+        out, _ = pages.step(model, steps)
+    return [torch.stack(p) for p in produced]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0), SamplingParams(temperature=0.9, top_k=50, seed=7)])
+def test_generation_alone_equals_in_batch(tiny: S2SModel, params: SamplingParams) -> None:
+    cfg = tiny.config
+    prompts = [random_tokens(cfg, 10 + 3 * i, seed=i) for i in range(8)]
+    others = [SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i) for i in range(7)]
+    alone = generate(tiny, prompts[:1], 50, [params])[0]
+    together = generate(tiny, prompts, 50, [params, *others])[0]
+    assert torch.equal(alone, together)
+    assert (alone != cfg.pad_id).all()
+
+
+def test_sampling_rules() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 2, 50, generator=g)
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    greedy = sample(logits, [SamplingParams(temperature=0)] * 3, gens)
+    assert torch.equal(greedy, logits.argmax(-1))
+    assert torch.equal(sample(logits, [SamplingParams(top_k=1)] * 3, gens), greedy)
+    assert torch.equal(sample(logits, [SamplingParams(top_p=1e-6)] * 3, gens), greedy)
+    banned = logits.argmax(-1)[0, 0].item()
+    picked = sample(logits, [SamplingParams(temperature=0)] * 3, gens, banned_id=banned)
+    assert (picked != banned).all()
+    draws = [
+        sample(
+            logits,
+            [SamplingParams(seed=5, temperature=1.0, top_k=0)] * 3,
+            [SamplingParams(seed=5).generator() for _ in range(3)],
+        )
+        for _ in range(2)
+    ]
+    assert torch.equal(draws[0], draws[1])
+    top5 = logits.topk(5, dim=-1).indices
+    for _ in range(20):
+        pick = sample(logits, [SamplingParams(temperature=2.0, top_k=5)] * 3, gens)
+        assert (top5 == pick[..., None]).any(-1).all()
+    for bad in (dict(temperature=-1), dict(top_k=-2), dict(top_p=0), dict(top_p=1.5)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+@settings(max_examples=30, deadline=None)
+@given(k=st.integers(1, 6), f=st.integers(0, 20), data=st.data())
+def test_delay_pattern_round_trip(k: int, f: int, data) -> None:
+    delays = data.draw(st.lists(st.integers(0, 4), min_size=k, max_size=k))
+    frames = torch.randint(0, 1024, (2, k, f))
+    steps = frames_to_steps(frames, delays, pad_id=1024)
+    assert steps.shape == (2, k, f + max(delays))
+    for i, d in enumerate(delays):
+        assert (steps[:, i, :d] == 1024).all()
+        assert torch.equal(steps[:, i, d : d + f], frames[:, i])
+    assert torch.equal(steps_to_frames(steps, delays), frames)
+
+
+# ---- weights on disk -----------------------------------------------------------------------------------------------
+
+
+def test_save_load_round_trip(tmp_path, tiny: S2SModel) -> None:
+    tiny.save_pretrained(tmp_path)
+    again = S2SModel.from_pretrained(tmp_path)
+    toks = random_tokens(tiny.config, 12, seed=1)[None]
+    assert torch.equal(again(toks), tiny(toks))
+    with pytest.raises(FileNotFoundError):
+        S2SModel.from_pretrained(tmp_path / "nowhere")
+
+
+@pytest.mark.parametrize("head", [LlamaModel, LlamaForCausalLM])
+def test_load_backbone_from_transformers_llama(tmp_path, head) -> None:
+    cfg = ModelConfig.preset("tiny", rope_theta=500000.0)
+    torch.manual_seed(3)
+    llama = head(cfg.to_llama_config()).eval()
+    llama.save_pretrained(tmp_path)
+    model = S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0)
+    model.load_backbone(tmp_path)
+    assert model.config.rope_theta == 500000.0
+    x = torch.randn(2, 11, cfg.hidden_size)
+    base = llama.model if head is LlamaForCausalLM else llama
+    with torch.no_grad():
+        want = base(inputs_embeds=x).last_hidden_state
+    assert (model.backbone(x) - want).abs().max() <= 1e-4
+
+
+def test_load_backbone_mismatch(tmp_path) -> None:
+    LlamaModel(
+        LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, vocab_size=10)
+    ).save_pretrained(tmp_path)
+    model = S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0)
+    with pytest.raises(ValueError, match="hidden_size: checkpoint 32 vs model 64"):
+        model.load_backbone(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        model.load_backbone(tmp_path / "missing")
+
+
+def test_bad_tokens(tiny: S2SModel) -> None:
+    with pytest.raises(ValueError, match="codes"):
+        tiny(torch.zeros(1, 3, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\[0, 1027\)"):
+        tiny(torch.full((1, 3, 4), 5000))
