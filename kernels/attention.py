@@ -1,7 +1,9 @@
-"""Public attention functions over paged K/V, dispatched to Triton (CUDA) or the torch reference (everywhere else).
+"""Public attention functions over paged K/V, dispatched to Triton (CUDA) or torch (everywhere else).
 
-`set_backend("triton" | "torch" | "auto")` or the environment variable `S2S_ATTENTION_BACKEND` forces one; "auto"
-picks Triton for CUDA tensors. Forcing Triton on CPU tensors works only under `TRITON_INTERPRET=1` (tests).
+`set_backend("triton" | "torch" | "auto")` or the environment variable `S2S_ATTENTION_BACKEND` forces one.
+"auto" picks Triton for CUDA tensors; on CPU it takes the C++ decode kernel (`kernels/cpu_attention.py`) for decode
+batches it supports and the torch reference for the rest. "torch" is the reference alone. Forcing Triton on CPU
+tensors works only under `TRITON_INTERPRET=1` (tests).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import os
 
 import torch
 
-from kernels import reference
+from kernels import cpu_attention, reference
 
 _BACKENDS = ("auto", "triton", "torch")
 _backend = os.environ.get("S2S_ATTENTION_BACKEND", "auto")
@@ -56,9 +58,12 @@ def paged_attention(
 
     Layouts are in `kernels/reference.py`. Returns `[N, q_heads, head_dim]` in q's dtype.
     """
-    impl = reference
     if _use_triton(q):
         from kernels import triton_attention as impl
+    elif _backend == "auto" and cpu_attention.supports(q, k_cache, cu_seqlens_q, causal):
+        return cpu_attention.paged_decode(q, k_cache, v_cache, page_table, seqlens_k, sliding_window, scale)
+    else:
+        impl = reference
     return impl.paged_attention(
         q,
         k_cache,

@@ -12,8 +12,25 @@ Layouts (shared with the Triton kernels):
 
 from __future__ import annotations
 
+import threading
+
 import torch
-import torch.nn.functional as F
+
+_workspace = threading.local()
+
+
+def _scratch(name: str, pages: int, page_size: int, dim: int, like: torch.Tensor) -> torch.Tensor:
+    """A reusable [pages, page_size, dim] buffer per thread: a fresh multi-MB tensor every call costs more in page
+    faults (the allocator returns large blocks to the OS) than the gather that fills it."""
+    key = (name, like.dtype, like.device)
+    buffers = getattr(_workspace, "buffers", None)
+    if buffers is None:
+        buffers = _workspace.buffers = {}
+    size = pages * page_size * dim
+    buf = buffers.get(key)
+    if buf is None or buf.numel() < size:
+        buf = buffers[key] = torch.empty(size, dtype=like.dtype, device=like.device)
+    return buf[:size].view(pages, page_size, dim)
 
 
 def store_kv(
@@ -36,11 +53,9 @@ def paged_attention(
     sliding_window: int | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Gather each sequence's pages once, then per KV head two batched matmuls over [S, queries x group, keys].
-
-    The gathered keys stay in the pool's [S, keys, kv_heads, dim] layout: a head's slice is a strided matrix that
-    BLAS reads in place, so nothing is copied twice. Masked slots get probability 0; pages must hold finite values
-    (the pool starts zeroed and the model writes finite K/V), since 0 * NaN would still be NaN.
+    """Per KV head: gather that head's slice of each sequence's pages into one contiguous block, then two batched
+    matmuls over [S, queries x group, keys]. Masked slots get probability 0; pages must hold finite values (the pool
+    starts zeroed and the model writes finite K/V), since 0 * NaN would still be NaN.
     """
     num_seqs = seqlens_k.shape[0]
     if num_seqs == 0 or q.shape[0] == 0:
@@ -52,10 +67,7 @@ def paged_attention(
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     max_q = int(q_lens.max())
     max_k = int(seqlens_k.max())
-    pages = page_table[:, : -(-max_k // page_size)].long()
-    keys = F.embedding(pages, k_cache.view(num_pages, -1)).view(num_seqs, -1, kv_heads, dim)[:, :max_k]
-    values = F.embedding(pages, v_cache.view(num_pages, -1)).view(num_seqs, -1, kv_heads, dim)[:, :max_k]
-
+    pages = page_table[:, : -(-max_k // page_size)].reshape(-1).long()
     decode = max_q == 1
     if decode:
         padded = q.view(num_seqs, 1, q_heads, dim)
@@ -77,9 +89,14 @@ def paged_attention(
 
     out = torch.empty(num_seqs, max_q, kv_heads, group, dim, dtype=torch.float32, device=q.device)
     for h in range(kv_heads):
+        # this head's slice of each page, gathered into one contiguous [S, keys, dim] block
+        keys = torch.index_select(k_cache[:, :, h], 0, pages, out=_scratch("k", len(pages), page_size, dim, k_cache))
+        values = torch.index_select(v_cache[:, :, h], 0, pages, out=_scratch("v", len(pages), page_size, dim, v_cache))
+        keys = keys.view(num_seqs, -1, dim)[:, :max_k].float()
+        values = values.view(num_seqs, -1, dim)[:, :max_k].float()
         q_h = padded[:, :, h * group : (h + 1) * group].reshape(num_seqs, max_q * group, dim).float()
-        scores = torch.bmm(q_h, keys[:, :, h].transpose(1, 2).float()) * scale
+        scores = torch.bmm(q_h, keys.transpose(1, 2)) * scale
         probs = scores.masked_fill_(hidden, float("-inf")).softmax(-1).nan_to_num_(0.0)  # all-hidden pad rows -> 0
-        out[:, :, h] = torch.bmm(probs, values[:, :, h].float()).view(num_seqs, max_q, group, dim)
+        out[:, :, h] = torch.bmm(probs, values).view(num_seqs, max_q, group, dim)
     out = out.view(num_seqs, max_q, q_heads, dim).to(q.dtype)
     return out[:, 0] if decode else out[seq_of_token, index_in_seq]

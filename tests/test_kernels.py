@@ -81,12 +81,51 @@ def test_store_kv_skips_negative_slots() -> None:
     assert k_cache.view(6, 1, 4)[[0, 1, 3, 4]].abs().sum() == 0
 
 
-def test_dispatch_flag() -> None:
-    from kernels import attention
+def test_dispatch_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU, "auto" sends decode batches to the C++ kernel and the rest to the reference; "torch" forces the
+    reference for everything."""
+    from kernels import attention, cpu_attention
 
     with pytest.raises(ValueError, match="backend"):
         attention.set_backend("cuda-please")
-    attention.set_backend("torch")
-    assert not attention._use_triton(torch.zeros(1))
-    attention.set_backend("auto")
-    assert not attention._use_triton(torch.zeros(1))  # CPU tensors take the torch path
+    calls: list[str] = []
+    for module, name in ((cpu_attention, "paged_decode"), (reference, "paged_attention")):
+        real = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, _real=real, _name=name, **kw: calls.append(_name) or _real(*a, **kw)
+        )
+    monkeypatch.setattr(attention, "_backend", attention._backend)
+    k_cache, v_cache, page_table, _ = build([(4, 1), (9, 1)], 4, 2, 8, seed=0)
+    decode = (torch.randn(2, 4, 8), k_cache, v_cache, page_table, torch.tensor([0, 1, 2]), torch.tensor([5, 10]))
+    extend = (torch.randn(3, 4, 8), k_cache, v_cache, page_table, torch.tensor([0, 1, 3]), torch.tensor([5, 10]))
+    for backend, want in (("auto", ["paged_decode", "paged_attention"]), ("torch", ["paged_attention"] * 2)):
+        attention.set_backend(backend)
+        calls.clear()
+        attention.paged_attention(*decode)
+        attention.paged_attention(*extend)
+        assert calls == want
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 70), min_size=1, max_size=6),
+    page_size=st.sampled_from([1, 3, 16]),
+    heads=st.sampled_from([(4, 2), (2, 2), (8, 1)]),
+    window=st.sampled_from([None, 1, 9]),
+)
+def test_cpu_decode_kernel_equals_reference(lens, page_size, heads, window) -> None:
+    """The C++ decode kernel (CPU, fp32) against the torch reference; it must build on every machine CI uses."""
+    from kernels import cpu_attention
+
+    assert cpu_attention.available(), "the C++ CPU decode kernel failed to build (see the warning)"
+    hq, hkv = heads
+    seqs = [(n - 1, 1) for n in lens]
+    k_cache, v_cache, page_table, _ = build(seqs, page_size, hkv, 16, seed=sum(lens))
+    q = torch.randn(len(seqs), hq, 16, generator=torch.Generator().manual_seed(3))
+    cu = torch.arange(len(seqs) + 1, dtype=torch.int32)
+    seqlens_k = torch.tensor(lens, dtype=torch.int32)
+    assert cpu_attention.supports(q, k_cache, cu, causal=True)
+    assert not cpu_attention.supports(q, k_cache, cu, causal=False)
+    want = reference.paged_attention(q, k_cache, v_cache, page_table, cu, seqlens_k, True, window)
+    got = cpu_attention.paged_decode(q, k_cache, v_cache, page_table, seqlens_k, window, None)
+    assert (got - want).abs().max() <= 1e-5

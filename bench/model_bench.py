@@ -1,0 +1,153 @@
+"""Model benchmark: one decode step of B conversations at context C, this model over pages vs transformers.
+
+    s2s bench model [--quick] [--json PATH] [--plot PATH]
+
+Both sides run the same weights (seeded), the same embedding sum and output heads; only the backbone and its
+cache differ. Ours: `S2SModel.forward_paged` with K/V in pages (page size 16) through `kernels.paged_attention`
+(on CPU: the C++ decode kernel, which reads pages in place). Theirs: `transformers.LlamaModel` with `attn_implementation="sdpa"` (its fastest
+on CPU) and its `DynamicCache`, under `torch.inference_mode()`. The cache of C steps is filled with random K/V on
+both sides (a decode step's cost does not depend on the values), and every timed step is one new frame for every
+conversation. frames/s = B / step time: one frame of every codebook per conversation per step.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache, LlamaModel
+
+from bench.common import environment, parser, peak_rss_bytes, percentiles, print_table, timed, write_json
+from s2s import ModelConfig, PagedBatch, S2SModel
+
+PAGE_SIZE = 16
+
+
+def _tokens(cfg: ModelConfig, batch: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, cfg.codebook_size, (batch, cfg.step_width), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.inference_mode()
+def ours(model: S2SModel, batch: int, context: int, steps: int) -> list[float]:
+    cfg = model.config
+    pages_per_seq = -(-(context + steps) // PAGE_SIZE)
+    num_pages = 1 + batch * pages_per_seq
+    shape = (num_pages, PAGE_SIZE, cfg.num_key_value_heads, cfg.head_dim)
+    k = [torch.randn(shape) for _ in range(cfg.num_hidden_layers)]
+    v = [torch.randn(shape) for _ in range(cfg.num_hidden_layers)]
+    tables = [list(range(1 + s * pages_per_seq, 1 + (s + 1) * pages_per_seq)) for s in range(batch)]
+    times = []
+    for i in range(steps + 1):
+        t, _ = timed(
+            lambda i=i: model.forward_paged(
+                _tokens(cfg, batch, i), PagedBatch.build([context + i] * batch, [1] * batch, tables, PAGE_SIZE), k, v
+            ).logits
+        )
+        times.append(t)
+    return times[1:]  # the first step warms up allocators
+
+
+@torch.inference_mode()
+def theirs(model: S2SModel, llama: LlamaModel, batch: int, context: int, steps: int) -> list[float]:
+    cfg = model.config
+    cache = DynamicCache(config=llama.config)
+    for layer in range(cfg.num_hidden_layers):
+        kv = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
+        cache.update(torch.randn(kv), torch.randn(kv), layer)
+    times = []
+    for i in range(steps + 1):
+        pos = torch.full((batch, 1), context + i)
+
+        def step(i=i, pos=pos):
+            x = model.embed(_tokens(cfg, batch, i))[:, None]
+            hidden = llama(inputs_embeds=x, past_key_values=cache, position_ids=pos, use_cache=True).last_hidden_state
+            return model.logits(hidden[:, -1])
+
+        t, _ = timed(step)
+        times.append(t)
+    return times[1:]
+
+
+def plot(rows: list[dict], path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    presets = sorted({r["preset"] for r in rows})
+    fig, axes = plt.subplots(1, len(presets), figsize=(6 * len(presets), 4), squeeze=False)
+    for ax, preset in zip(axes[0], presets, strict=True):
+        for context in sorted({r["context"] for r in rows}):
+            pts = sorted((r["batch"], r["speedup"]) for r in rows if r["preset"] == preset and r["context"] == context)
+            ax.plot(*zip(*pts, strict=True), marker="o", label=f"context {context}")
+        ax.axhline(1.0, color="k", lw=1, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("conversations (batch)")
+        ax.set_ylabel("frames/s, paged / transformers")
+        ax.set_title(f"{preset} preset, one decode step")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser("model", __doc__.splitlines()[0]).parse_args(argv)
+    if args.quick:
+        presets, batches, contexts, steps = ["tiny", "small"], [1, 32], [256, 1024], 4
+    else:
+        presets, batches, contexts, steps = ["tiny", "small"], [1, 4, 16, 32], [256, 1024, 4096], 8
+    rows = []
+    grid = [(p, b, c) for p in presets for b in batches for c in contexts]
+    models = {}
+    for p in presets:
+        model = S2SModel.from_seed(ModelConfig.preset(p), seed=0)
+        llama = LlamaModel(model.config.to_llama_config()).eval()
+        llama.config._attn_implementation = "sdpa"
+        llama.load_state_dict(model.backbone.state_dict(), strict=False)
+        models[p] = (model, llama)
+    for preset, batch, context in tqdm(grid, desc="model configs", file=sys.stderr):
+        model, llama = models[preset]
+        a = percentiles(ours(model, batch, context, steps), 1000)
+        b = percentiles(theirs(model, llama, batch, context, steps), 1000)
+        rows.append(
+            {
+                "preset": preset,
+                "params_backbone": sum(x.numel() for x in model.backbone.parameters()),
+                "batch": batch,
+                "context": context,
+                "steps": steps,
+                "page_size": PAGE_SIZE,
+                "ours_step_ms_p50": a["p50"],
+                "ours_step_ms_p95": a["p95"],
+                "hf_step_ms_p50": b["p50"],
+                "hf_step_ms_p95": b["p95"],
+                "ours_frames_per_s": batch / a["p50"] * 1000,
+                "hf_frames_per_s": batch / b["p50"] * 1000,
+                "speedup": b["p50"] / a["p50"],
+                "peak_rss_bytes": peak_rss_bytes(),
+            }
+        )
+    tables = print_table(
+        "Decode step: paged S2S model vs transformers LlamaModel + DynamicCache (same weights)",
+        rows,
+        [
+            ("preset", "preset"),
+            ("batch", "batch"),
+            ("context", "context"),
+            ("ours_step_ms_p50", "paged step ms p50"),
+            ("hf_step_ms_p50", "transformers step ms p50"),
+            ("ours_frames_per_s", "paged frames/s"),
+            ("hf_frames_per_s", "transformers frames/s"),
+            ("speedup", "speedup"),
+        ],
+    )
+    env = {**environment(), "quick": args.quick}
+    write_json(args.json, [{**env, **r} for r in rows])
+    plot(rows, args.plot)
+    args.plot.with_suffix(".md").write_text("\n\n".join(tables) + "\n")
+    print(f"plot: {args.plot}; markdown table: {args.plot.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()

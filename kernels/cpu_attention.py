@@ -1,0 +1,138 @@
+"""Decode attention over paged K/V on CPU, in C++ (built once with torch's inline extension loader).
+
+The torch reference must copy every sequence's pages into one block before a matmul can read them: per step that
+moves the whole cache twice more than the attention itself reads it. This kernel reads each key and value once,
+in place, with an online softmax: one OpenMP task per (sequence, KV head), the group's query heads together.
+Decode only (one query per sequence), fp32; everything else goes to the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor page_table,
+                           torch::Tensor seqlens_k, int64_t window, double scale) {
+    const int64_t S = q.size(0), HQ = q.size(1), D = q.size(2);
+    const int64_t PS = k_cache.size(1), HKV = k_cache.size(2), G = HQ / HKV;
+    const int64_t page_stride = k_cache.stride(0), slot_stride = k_cache.stride(1), head_stride = k_cache.stride(2);
+    auto out = torch::empty_like(q);
+    const float* qp = q.data_ptr<float>();
+    const float* kp = k_cache.data_ptr<float>();
+    const float* vp = v_cache.data_ptr<float>();
+    const int32_t* table = page_table.data_ptr<int32_t>();
+    const int64_t table_width = page_table.size(1);
+    const int64_t* lens = seqlens_k.data_ptr<int64_t>();
+    float* op = out.data_ptr<float>();
+    const float sc = static_cast<float>(scale);
+
+#pragma omp parallel for collapse(2) schedule(dynamic)
+    for (int64_t s = 0; s < S; ++s) {
+        for (int64_t h = 0; h < HKV; ++h) {
+            const int64_t len = lens[s];
+            const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+            std::vector<float> acc(G * D, 0.f), m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f);
+            const float* qs = qp + (s * HQ + h * G) * D;
+            for (int64_t j = start; j < len; ++j) {
+                const int64_t page = table[s * table_width + j / PS];
+                const float* kj = kp + page * page_stride + (j % PS) * slot_stride + h * head_stride;
+                const float* vj = vp + page * page_stride + (j % PS) * slot_stride + h * head_stride;
+                for (int64_t g = 0; g < G; ++g) {
+                    const float* qg = qs + g * D;
+                    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t d = 0; d < D; ++d) dot += qg[d] * kj[d];
+                    dot *= sc;
+                    float* a = acc.data() + g * D;
+                    if (dot > m[g]) {
+                        const float c = std::exp(m[g] - dot);
+                        l[g] = l[g] * c + 1.f;
+                        m[g] = dot;
+#pragma omp simd
+                        for (int64_t d = 0; d < D; ++d) a[d] = a[d] * c + vj[d];
+                    } else {
+                        const float p = std::exp(dot - m[g]);
+                        l[g] += p;
+#pragma omp simd
+                        for (int64_t d = 0; d < D; ++d) a[d] += p * vj[d];
+                    }
+                }
+            }
+            for (int64_t g = 0; g < G; ++g) {
+                float* o = op + (s * HQ + h * G + g) * D;
+                const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+                for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+            }
+        }
+    }
+    return out;
+}
+"""
+
+
+@functools.cache
+def _extension():
+    """Compile (first use on a machine, ~1 min; cached by torch afterwards) or None if that is impossible here."""
+    try:
+        from torch.utils.cpp_extension import load_inline
+
+        return load_inline(
+            name="s2s_cpu_paged_decode",
+            cpp_sources=_SOURCE,
+            functions=["paged_decode"],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as e:  # no compiler, no ninja, no headers: the torch reference still works
+        warnings.warn(f"C++ CPU decode attention unavailable, using the torch reference: {e}", stacklevel=2)
+        return None
+
+
+def available() -> bool:
+    return _extension() is not None
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, causal: bool) -> bool:
+    """Decode batches (one query per sequence, causal) of fp32 CPU tensors."""
+    return (
+        causal
+        and not q.is_cuda
+        and q.dtype == k_cache.dtype == torch.float32
+        and torch.equal(cu_seqlens_q.long(), torch.arange(q.shape[0] + 1, device=cu_seqlens_q.device))
+        and q.shape[1] % k_cache.shape[2] == 0
+        and available()
+    )
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    sliding_window: int | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """q `[S, q_heads, dim]`, one query per sequence at position seqlens_k - 1; layouts as in kernels/reference.py."""
+    ext = _extension()
+    assert ext is not None, "call supports() first"
+    if k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("K and V caches must share strides with a contiguous head_dim")
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return ext.paged_decode(
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        page_table.to(torch.int32).contiguous(),
+        seqlens_k.long().contiguous(),
+        sliding_window or 0,
+        scale,
+    )
