@@ -91,7 +91,7 @@ def streaming(tok: EncodecTokenizer, batch: int, chunk: int, ticks: int, pool: T
     p = percentiles(times, 1000)
     return {
         "bench": "streaming",
-        "threads": "enc and dec in parallel, 1 thread each" if pool else f"enc then dec, {torch.get_num_threads()} threads",
+        "threads": "enc and dec in parallel, 1 thread each" if pool else f"enc then dec, {threads} threads",
         "conversations": batch,
         "chunk_frames": chunk,
         "ticks": ticks,

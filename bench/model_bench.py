@@ -4,7 +4,8 @@
 
 Both sides run the same weights (seeded), the same embedding sum and output heads; only the backbone and its
 cache differ. Ours: `S2SModel.forward_paged` with K/V in pages (page size 16) through `kernels.paged_attention`
-(on CPU: the C++ decode kernel, which reads pages in place). Theirs: `transformers.LlamaModel` with `attn_implementation="sdpa"` (its fastest
+(on CPU: the C++ decode kernel, which reads pages in place). Theirs: `transformers.LlamaModel` with
+`attn_implementation="sdpa"` (its fastest
 on CPU) and its `DynamicCache`, under `torch.inference_mode()`. The cache of C steps is filled with random K/V on
 both sides (a decode step's cost does not depend on the values), and every timed step is one new frame for every
 conversation. frames/s = B / step time: one frame of every codebook per conversation per step.
@@ -44,9 +45,14 @@ def ours(model: S2SModel, batch: int, context: int, steps: int) -> list[float]:
     times = []
     for i in range(steps + 1):
         t, _ = timed(
-            lambda i=i: model.forward_paged(
-                _tokens(cfg, batch, i), PagedBatch.build([context + i] * batch, [1] * batch, tables, PAGE_SIZE), k, v
-            ).logits
+            lambda i=i: (
+                model.forward_paged(
+                    _tokens(cfg, batch, i),
+                    PagedBatch.build([context + i] * batch, [1] * batch, tables, PAGE_SIZE),
+                    k,
+                    v,
+                ).logits
+            )
         )
         times.append(t)
     return times[1:]  # the first step warms up allocators
