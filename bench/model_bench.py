@@ -5,10 +5,11 @@
 Both sides run the same weights (seeded), the same embedding sum and output heads; only the backbone and its
 cache differ. Ours: `S2SModel.forward_paged` with K/V in pages (page size 16) through `kernels.paged_attention`
 (on CPU: the C++ decode kernel, which reads pages in place). Theirs: `transformers.LlamaModel` with
-`attn_implementation="sdpa"` (its fastest
-on CPU) and its `DynamicCache`, under `torch.inference_mode()`. The cache of C steps is filled with random K/V on
-both sides (a decode step's cost does not depend on the values), and every timed step is one new frame for every
-conversation. frames/s = B / step time: one frame of every codebook per conversation per step.
+`attn_implementation="sdpa"` (its fastest on CPU) and its `DynamicCache`, under `torch.inference_mode()`. The
+cache of C steps is filled with random K/V on both sides (a decode step's cost does not depend on the values), and
+every timed step is one new frame for every conversation. Each side runs blocks of steps in turn (3 rounds), and
+each side's p50 is its best block's median (see `compare`).
+frames/s = B / step time: one frame of every codebook per conversation per step.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def _tokens(cfg: ModelConfig, batch: int, seed: int) -> torch.Tensor:
     return torch.randint(0, cfg.codebook_size, (batch, cfg.step_width), generator=torch.Generator().manual_seed(seed))
 
 
-@torch.inference_mode()
-def ours(model: S2SModel, batch: int, context: int, steps: int) -> list[float]:
+def ours(model: S2SModel, batch: int, context: int, steps: int):
+    """A step function for this model over pages holding `context` random steps per conversation."""
     cfg = model.config
     pages_per_seq = -(-(context + steps) // PAGE_SIZE)
     num_pages = 1 + batch * pages_per_seq
@@ -42,41 +43,50 @@ def ours(model: S2SModel, batch: int, context: int, steps: int) -> list[float]:
     k = [torch.randn(shape) for _ in range(cfg.num_hidden_layers)]
     v = [torch.randn(shape) for _ in range(cfg.num_hidden_layers)]
     tables = [list(range(1 + s * pages_per_seq, 1 + (s + 1) * pages_per_seq)) for s in range(batch)]
-    times = []
-    for i in range(steps + 1):
-        t, _ = timed(
-            lambda i=i: (
-                model.forward_paged(
-                    _tokens(cfg, batch, i),
-                    PagedBatch.build([context + i] * batch, [1] * batch, tables, PAGE_SIZE),
-                    k,
-                    v,
-                ).logits
-            )
-        )
-        times.append(t)
-    return times[1:]  # the first step warms up allocators
+
+    def step(i: int) -> torch.Tensor:
+        batch_ = PagedBatch.build([context + i] * batch, [1] * batch, tables, PAGE_SIZE)
+        return model.forward_paged(_tokens(cfg, batch, i), batch_, k, v).logits
+
+    return step
 
 
-@torch.inference_mode()
-def theirs(model: S2SModel, llama: LlamaModel, batch: int, context: int, steps: int) -> list[float]:
+def theirs(model: S2SModel, llama: LlamaModel, batch: int, context: int):
+    """A step function for transformers' LlamaModel over a DynamicCache holding `context` random steps."""
     cfg = model.config
     cache = DynamicCache(config=llama.config)
     for layer in range(cfg.num_hidden_layers):
         kv = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
         cache.update(torch.randn(kv), torch.randn(kv), layer)
-    times = []
-    for i in range(steps + 1):
+
+    def step(i: int) -> torch.Tensor:
+        x = model.embed(_tokens(cfg, batch, i))[:, None]
         pos = torch.full((batch, 1), context + i)
+        hidden = llama(inputs_embeds=x, past_key_values=cache, position_ids=pos, use_cache=True).last_hidden_state
+        return model.logits(hidden[:, -1])
 
-        def step(i=i, pos=pos):
-            x = model.embed(_tokens(cfg, batch, i))[:, None]
-            hidden = llama(inputs_embeds=x, past_key_values=cache, position_ids=pos, use_cache=True).last_hidden_state
-            return model.logits(hidden[:, -1])
+    return step
 
-        t, _ = timed(step)
-        times.append(t)
-    return times[1:]
+
+@torch.inference_mode()
+def compare(model: S2SModel, llama: LlamaModel, batch: int, context: int, steps: int, rounds: int = 3):
+    """Time a block of `steps` steps of one side, then of the other, `rounds` times over (each block's first step
+    not counted). Returns each side's blocks: a side's figure is its best block's median, because its speed
+    drifts with the process's allocator state (transformers' per-step torch.cat page-faults in some states and runs
+    2x slower), and a comparison counts against the other side at its best."""
+    a, b = ours(model, batch, context, rounds * (steps + 1)), theirs(model, llama, batch, context)
+    blocks_a, blocks_b, i = [], [], 0
+    for _ in range(rounds):
+        for fn, blocks in ((a, blocks_a), (b, blocks_b)):
+            blocks.append([timed(fn, i + j)[0] for j in range(steps + 1)][1:])
+        i += steps + 1
+    return blocks_a, blocks_b
+
+
+def best_block(blocks: list[list[float]]) -> dict[str, float]:
+    """p50 of the fastest block, p95 over all blocks, in ms."""
+    p50 = min(percentiles(b, 1000)["p50"] for b in blocks)
+    return {"p50": p50, "p95": percentiles([t for b in blocks for t in b], 1000)["p95"]}
 
 
 def plot(rows: list[dict], path) -> None:
@@ -114,8 +124,8 @@ def main(argv: list[str] | None = None) -> None:
         models[p] = (model, llama)
     for preset, batch, context in tqdm(grid, desc="model configs", file=sys.stderr):
         model, llama = models[preset]
-        a = percentiles(ours(model, batch, context, steps), 1000)
-        b = percentiles(theirs(model, llama, batch, context, steps), 1000)
+        blocks_a, blocks_b = compare(model, llama, batch, context, steps)
+        a, b = best_block(blocks_a), best_block(blocks_b)
         rows.append(
             {
                 "preset": preset,
@@ -124,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
                 "context": context,
                 "steps": steps,
                 "page_size": PAGE_SIZE,
+                "rounds": 3,
                 "ours_step_ms_p50": a["p50"],
                 "ours_step_ms_p95": a["p95"],
                 "hf_step_ms_p50": b["p50"],
