@@ -36,24 +36,22 @@ class PagedBatch:
         """`pages[s]` must cover `cached_lens[s] + new_lens[s]` steps; pages a sliding window dropped may be 0."""
         if not (len(cached_lens) == len(new_lens) == len(pages)) or not pages:
             raise ValueError("cached_lens, new_lens and pages must be non-empty and of equal length")
-        positions, slots = [], []
         for cached, new, table in zip(cached_lens, new_lens, pages, strict=True):
             if new < 1 or cached < 0:
                 raise ValueError(f"each sequence needs >= 1 new step and >= 0 cached ones, got {new} and {cached}")
             if len(table) * page_size < cached + new:
                 raise ValueError(f"{len(table)} pages of {page_size} cannot hold {cached + new} steps")
-            for p in range(cached, cached + new):
-                positions.append(p)
-                slots.append(table[p // page_size] * page_size + p % page_size)
         width = max(len(t) for t in pages)
-        table = torch.zeros(len(pages), width, dtype=torch.int32)
-        for s, t in enumerate(pages):
-            table[s, : len(t)] = torch.tensor(list(t), dtype=torch.int32)
+        table = torch.tensor([list(t) + [0] * (width - len(t)) for t in pages], dtype=torch.int32)
+        new_t = torch.tensor(list(new_lens))
         cu = torch.zeros(len(pages) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(list(new_lens)).cumsum(0)
+        cu[1:] = new_t.cumsum(0)
+        seq = torch.repeat_interleave(torch.arange(len(pages)), new_t)
+        positions = torch.arange(int(cu[-1])) - cu[:-1].long()[seq] + torch.tensor(list(cached_lens))[seq]
+        slots = table[seq, positions // page_size].long() * page_size + positions % page_size
         return cls(
-            positions=torch.tensor(positions, device=device),
-            slot_mapping=torch.tensor(slots, device=device),
+            positions=positions.to(device),
+            slot_mapping=slots.to(device),
             page_table=table.to(device),
             cu_seqlens_q=cu.to(device),
             seqlens_k=torch.tensor([c + n for c, n in zip(cached_lens, new_lens, strict=True)], device=device),
