@@ -8,7 +8,6 @@ after every step the pool's reference counts must equal the model's count of hol
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -17,18 +16,10 @@ import numpy as np
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from kv_values import step_values
 
 from cache import Handle, OutOfPages, PagePool, make_cache
 from cache.base import page_tokens
-
-
-def step_values(key: np.ndarray) -> np.ndarray:
-    """A distinct value per step that depends on the whole prefix up to it, as K/V do in a causal model."""
-    out, h = np.empty(len(key)), b""
-    for t, row in enumerate(key):
-        h = hashlib.blake2b(h + row.tobytes(), digest_size=8).digest()
-        out[t] = int.from_bytes(h[:3]) / 8.0  # exact in float32
-    return out
 
 
 @dataclass(eq=False)

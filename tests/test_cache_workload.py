@@ -3,25 +3,16 @@ have computed itself, and radix reuses more than exact, which reuses more than p
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import numpy as np
 import pytest
+from kv_values import step_values
 
 from cache import MODES, OutOfPages, PagePool, make_cache
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 4, 4
 MAX_STEPS = 160
-
-
-def step_values(key: np.ndarray) -> np.ndarray:
-    """A distinct value per step that depends on the whole prefix up to it, as K/V do in a causal model."""
-    out, h = np.empty(len(key)), b""
-    for t, row in enumerate(key):
-        h = hashlib.blake2b(h + row.tobytes(), digest_size=8).digest()
-        out[t] = int.from_bytes(h[:3]) / 8.0  # exact in float32
-    return out
 
 
 def workload(seed: int = 0) -> list[list[np.ndarray]]:
