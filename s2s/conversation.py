@@ -1,0 +1,157 @@
+"""Conversation: one session's two streams of frames, the step tokens they make, and its K/V pages.
+
+Both streams share one frame index. A model frame is either forced (a voice prompt, silence while the user speaks
+in turn mode, silence after the reply ends) or predicted. Step t holds codebook k of frame t - delays[k] of both
+streams (`pad_id` before frame 0), so step t is known once user frame t - delays[k] and model frame t - delays[k]
+are, for every k. The forward over step t gives the logits of step t + 1; of those, only the (frame, codebook)
+pairs still unknown are sampled.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from s2s.config import ModelConfig
+from s2s.sampling import SamplingParams
+
+UNKNOWN = -1
+
+
+class Phase(enum.Enum):
+    LISTEN = "listen"  # duplex: always; turn: the user speaks, the model stream is silent
+    REPLY = "reply"  # turn: the model speaks until it ends its reply
+
+
+@dataclass
+class Turn:
+    """One user utterance and the reply to it, with the stage timestamps (engine clock, seconds)."""
+
+    id: int
+    first_frame: int  # first user frame of the turn
+    reply_start: int | None = None  # first predicted model frame
+    reply_end: int | None = None  # first model frame after the reply (END sampled or max frames)
+    times: dict[str, float] = field(default_factory=dict)
+
+
+class Conversation:
+    def __init__(self, cid: str, mode: str, cfg: ModelConfig, sampling: SamplingParams, row: int, now: float):
+        if mode not in ("duplex", "turn"):
+            raise ValueError(f"mode must be duplex or turn, got {mode!r}")
+        self.id, self.mode, self.cfg, self.row = cid, mode, cfg, row
+        self.sampling = sampling
+        self.generator = sampling.generator()
+        self.delays = np.asarray(cfg.delays)
+        k = cfg.num_codebooks
+        self.user = np.full((64, k), UNKNOWN, dtype=np.int64)
+        self.model = np.full((64, k), UNKNOWN, dtype=np.int64)
+        self.user_frames = 0  # frames of the user stream known so far (contiguous)
+        self.computed = 0  # steps whose K/V sit in `pages`
+        self.pages: list[int] = []  # the page table
+        self.own_pages: list[int] = []  # pages this conversation allocated (it holds a reference on each)
+        self.handle = None  # the cache handle it holds locked
+        self.last_logits: torch.Tensor | None = None  # logits of step `computed`, from the last forward
+        self.phase = Phase.LISTEN
+        self.turns: list[Turn] = []
+        self.emitted = 0  # model frames handed to the audio decoder (duplex) or considered for it (turn)
+        if mode == "duplex":
+            self.model[0] = cfg.silent_id  # the model stream starts silent; frames from 1 on are predicted
+        self.opened_at = now
+        self.first_frame_at: float | None = None  # when the first user frame reached the engine (deadlines)
+        self.prompt_frames = 0
+
+    # ---- frames --------------------------------------------------------------------------------------------------
+
+    def _ensure(self, frames: int) -> None:
+        if frames > len(self.user):
+            size = max(frames, 2 * len(self.user))
+            for name in ("user", "model"):
+                old = getattr(self, name)
+                new = np.full((size, old.shape[1]), UNKNOWN, dtype=np.int64)
+                new[: len(old)] = old
+                setattr(self, name, new)
+
+    def set_prompt(self, codes: np.ndarray) -> None:
+        """A voice prompt `[K, P]` becomes model frames 0..P-1, the user silent meanwhile."""
+        p = codes.shape[1]
+        self._ensure(p + 1)
+        self.model[:p] = codes.T
+        self.user[:p] = self.cfg.silent_id
+        self.user_frames = self.prompt_frames = p
+
+    def add_user_frames(self, codes: np.ndarray) -> None:
+        """New user frames `[K, n]`. In turn mode while listening, the model stream is forced silent alongside."""
+        n = codes.shape[1]
+        f = self.user_frames
+        self._ensure(f + n + 1)
+        self.user[f : f + n] = codes.T
+        if self.mode == "turn" and self.phase is Phase.LISTEN:
+            self.model[f : f + n] = self.cfg.silent_id
+        self.user_frames += n
+
+    def step_token(self, t: int) -> np.ndarray | None:
+        """Step t's 2K codes, or None while some of them are unknown."""
+        frames = t - self.delays
+        if frames.max() >= len(self.user):
+            return None
+        idx = np.arange(len(self.delays))
+        safe = np.maximum(frames, 0)
+        user = np.where(frames < 0, self.cfg.pad_id, self.user[safe, idx])
+        model = np.where(frames < 0, self.cfg.pad_id, self.model[safe, idx])
+        token = np.concatenate([user, model])
+        return None if (token == UNKNOWN).any() else token
+
+    def ready_steps(self, limit: int) -> np.ndarray:
+        """Up to `limit` known steps from `computed` on, as `[n, 2K]` (n may be 0)."""
+        out = []
+        for t in range(self.computed, self.computed + limit):
+            token = self.step_token(t)
+            if token is None:
+                break
+            out.append(token)
+        return np.stack(out) if out else np.zeros((0, 2 * self.cfg.num_codebooks), dtype=np.int64)
+
+    def key(self, steps: int) -> np.ndarray:
+        """The prefix key: step tokens 0..steps-1 (all known)."""
+        return np.stack([self.step_token(t) for t in range(steps)]) if steps else np.zeros((0, 2 * len(self.delays)))
+
+    def wanted(self) -> list[tuple[int, int]]:
+        """(frame, codebook) pairs that sampling the logits of step `computed` would fill: those still unknown."""
+        return self.wanted_after(0)
+
+    def wanted_after(self, steps: int) -> list[tuple[int, int]]:
+        """What sampling would fill once `steps` more steps are computed."""
+        t = self.computed + steps
+        out = []
+        for k, d in enumerate(self.delays):
+            f = t - d
+            if 0 <= f < len(self.model) and self.model[f, k] == UNKNOWN and self._predicted(f):
+                out.append((f, k))
+        return out
+
+    def _predicted(self, frame: int) -> bool:
+        if self.mode == "duplex":
+            return frame >= max(1, self.prompt_frames)
+        turn = self.turns[-1] if self.turns else None
+        return (
+            turn is not None
+            and turn.reply_start is not None
+            and frame >= turn.reply_start
+            and (turn.reply_end is None or frame < turn.reply_end)
+        )
+
+    def accept(self, codes: np.ndarray) -> list[tuple[int, int]]:
+        """Fill the wanted (frame, codebook) pairs from sampled step codes `[K]`; returns what was filled."""
+        filled = self.wanted()
+        self._ensure(self.computed + 2)
+        for f, k in filled:
+            self.model[f, k] = codes[k]
+        return filled
+
+    def complete_model_frames(self) -> int:
+        """Model frames whose every codebook is known, counted from frame 0 (contiguous)."""
+        known = (self.model != UNKNOWN).all(axis=1)
+        return int(np.argmin(known)) if not known.all() else len(known)

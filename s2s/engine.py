@@ -1,0 +1,502 @@
+"""Engine: every live conversation advanced by one batched model forward and one batched codec call per tick.
+
+`Engine.step()` is one tick and can be driven directly (tests, with a simulated clock); `Engine.start()` runs it in
+a thread every `tick_s`, and callers talk to it through thread-safe commands and per-conversation event queues
+(`s2s.facade` wraps that for asyncio). A tick:
+
+1. apply commands (open, audio, end of turn, interrupt, close);
+2. encode new user audio, all conversations in one `StreamingEncoder` call;
+3. pick the work (`Scheduler`): due duplex steps, turn replies, chunked prefill within the step budget;
+4. one `S2SModel.forward_paged` over all of it, K/V through the prefix cache's pages;
+5. sample the next model codes of every conversation at its frontier (seeded per conversation);
+6. decode the model frames that became complete, all conversations in one `StreamingDecoder` call, and emit them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from cache import OutOfPages, PagePool, make_cache
+from codec import EncodecTokenizer
+from s2s.batch import PagedBatch
+from s2s.conversation import UNKNOWN, Conversation, Phase, Turn
+from s2s.metrics import CostModel, EngineStats
+from s2s.model import S2SModel
+from s2s.sampling import SamplingParams, sample
+from s2s.scheduler import Scheduler, Work
+
+FRAME_S = 320 / 24000
+
+
+@dataclass
+class EngineConfig:
+    cache_mode: str = "radix"
+    page_size: int = 16
+    kv_budget_bytes: int | None = None
+    num_pages: int | None = 4096  # used when kv_budget_bytes is None
+    max_conversations: int = 32
+    max_context: int = 4096  # steps; naive mode reserves this much per conversation
+    tick_s: float = FRAME_S
+    prefill_budget: int = 256  # prefill steps per tick, all conversations together
+    jitter_buffer_s: float = 0.08
+    max_reply_frames: int = 750
+    admission_headroom: float = 0.8  # admit while the predicted tick time stays under this share of tick_s
+
+
+@dataclass
+class AudioEvent:
+    session: str
+    turn: int
+    first_frame: int
+    pcm: np.ndarray  # float32, 24 kHz
+    times: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class MetaEvent:
+    session: str
+    turn: int
+    data: dict
+
+
+class Refused(RuntimeError):
+    """The engine cannot take this conversation now (full, or it would make admitted ones miss deadlines)."""
+
+
+class Engine:
+    def __init__(
+        self,
+        model: S2SModel,
+        tokenizer: EncodecTokenizer,
+        config: EngineConfig | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.model, self.tok = model, tokenizer
+        self.cfg = config or EngineConfig()
+        self.clock = clock
+        mcfg = model.config
+        if mcfg.num_codebooks != tokenizer.num_codebooks:
+            raise ValueError(
+                f"model uses {mcfg.num_codebooks} codebooks but the codec {tokenizer.num_codebooks}: pick the "
+                "codec bandwidth that matches"
+            )
+        self.pool = PagePool(
+            mcfg.num_hidden_layers,
+            mcfg.num_key_value_heads,
+            mcfg.head_dim,
+            self.cfg.page_size,
+            num_pages=None if self.cfg.kv_budget_bytes else self.cfg.num_pages,
+            budget_bytes=self.cfg.kv_budget_bytes,
+            dtype=next(model.parameters()).dtype,
+            device=next(model.parameters()).device,
+        )
+        self.cache = make_cache(self.cfg.cache_mode, self.pool)
+        n = self.cfg.max_conversations
+        self.encoder = tokenizer.streaming_encoder(n)
+        self.decoder = tokenizer.streaming_decoder(n)
+        self.free_rows = list(range(n - 1, -1, -1))
+        self.convs: dict[str, Conversation] = {}
+        self.events: dict[str, queue.Queue] = {}
+        self.pending_audio: dict[str, list[np.ndarray]] = {}
+        self.pending_end: set[str] = set()
+        self.scheduler = Scheduler(self.cfg.prefill_budget)
+        self.cost = CostModel()
+        self.stats = EngineStats()
+        silence = tokenizer.encode(np.zeros(320 * 16, dtype=np.float32))[0, :, -1]
+        self.silence_codes = silence.cpu().numpy()  # what EnCodec makes of digital silence
+        self._ids = itertools.count()
+        self._commands: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._lock = threading.RLock()  # guards conversation state against calls from other threads
+
+    # ---- public API (thread-safe) ------------------------------------------------------------------------------
+
+    def open(
+        self,
+        mode: str = "duplex",
+        prompt: np.ndarray | torch.Tensor | None = None,
+        sampling: SamplingParams | None = None,
+        session_id: str | None = None,
+    ) -> str:
+        """Admit a conversation or raise `Refused` with the reason. `prompt`: voice-prompt codes `[K, P]`."""
+        with self._lock:
+            reason = self._admission_problem(mode)
+            if reason:
+                self.stats.refused += 1
+                raise Refused(reason)
+            cid = session_id or f"s{next(self._ids)}"
+            if cid in self.convs:
+                raise ValueError(f"session {cid!r} is already open")
+            row = self.free_rows.pop()
+            conv = Conversation(cid, mode, self.model.config, sampling or SamplingParams(), row, self.clock())
+            if prompt is not None:
+                codes = np.asarray(torch.as_tensor(prompt).cpu(), dtype=np.int64)
+                if codes.ndim != 2 or codes.shape[0] != self.tok.num_codebooks:
+                    raise ValueError(f"prompt codes must be [K={self.tok.num_codebooks}, P], got {codes.shape}")
+                conv.set_prompt(codes)
+            self._attach_cache(conv)
+            reserve = self.cache.pages_on_open(self.cfg.max_context)
+            if reserve:
+                try:
+                    conv.own_pages = self.cache.alloc(max(0, reserve - len(conv.pages)))
+                except OutOfPages as e:
+                    self._detach(conv)
+                    self.stats.refused += 1
+                    raise Refused(f"no K/V memory for another conversation: {e}") from e
+            self.encoder.reset(row)
+            self.decoder.reset(row)
+            self.convs[cid] = conv
+            self.events[cid] = queue.Queue()
+            self.pending_audio[cid] = []
+            if mode == "duplex" or conv.prompt_frames:
+                conv.turns.append(Turn(0, conv.prompt_frames))
+            return cid
+
+    def push_audio(self, cid: str, pcm: np.ndarray) -> None:
+        """User PCM (float32, 24 kHz, any length); encoded in the next tick with everyone else's."""
+        with self._lock:
+            self._conv(cid)
+            self.pending_audio[cid].append(np.asarray(pcm, dtype=np.float32).reshape(-1))
+
+    def end_turn(self, cid: str) -> None:
+        """Turn mode: the user finished speaking; the reply starts once their audio is in."""
+        with self._lock:
+            conv = self._conv(cid)
+            if conv.mode != "turn":
+                raise ValueError("end_turn is for turn mode")
+            self.pending_end.add(cid)
+            conv.turns[-1].times.setdefault("end_of_turn", self.clock()) if conv.turns else None
+
+    def interrupt(self, cid: str, played_frames: int) -> None:
+        """Barge-in: cancel the reply and keep in the context only the `played_frames` frames the user heard."""
+        with self._lock:
+            conv = self._conv(cid)
+            if conv.phase is not Phase.REPLY:
+                return
+            turn = conv.turns[-1]
+            cut = turn.reply_start + max(0, min(played_frames, conv.complete_model_frames() - turn.reply_start))
+            turn.reply_end = cut
+            turn.times["interrupted"] = self.clock()
+            self._rewind(conv, cut)
+            self.decoder.reset(conv.row)
+            conv.phase = Phase.LISTEN
+            conv.emitted = cut
+
+    def close(self, cid: str) -> None:
+        """End the conversation: its context goes into the prefix cache, its private pages are freed."""
+        with self._lock:
+            conv = self._conv(cid)
+            self._insert(conv, lock=False)
+            self._detach(conv)
+            del self.convs[cid], self.pending_audio[cid]
+            self.pending_end.discard(cid)
+            self.events.pop(cid).put(None)
+
+    def event_queue(self, cid: str) -> queue.Queue:
+        return self.events[cid]
+
+    def start(self) -> None:
+        """Run `step()` every `tick_s` in a thread until `stop()`."""
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="s2s-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    # ---- the tick ----------------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        next_tick = self.clock()
+        while not self._stop.is_set():
+            self.step()
+            next_tick += self.cfg.tick_s
+            delay = next_tick - self.clock()
+            if delay > 0:
+                time.sleep(delay)
+            else:
+                next_tick = self.clock()  # behind: do not burst to catch up
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        with self._lock:
+            start = self.clock()
+            self._encode()
+            self._start_replies()
+            work = self.scheduler.pick(list(self.convs.values()), start, self._deadline)
+            work = self._reserve_pages(work)
+            t_model = self.clock()
+            if work:
+                self._forward(work)
+                self._sample([w.conv for w in work])
+            self._advance_replies()
+            self._decode_audio()
+            self._finish_replies()
+            elapsed = self.clock() - start
+            decode_steps = sum(1 for w in work if w.decode)
+            prefill_steps = sum(len(w.tokens) for w in work if not w.decode)
+            self.cost.observe(decode_steps, prefill_steps, self.clock() - t_model)
+            self.stats.record_tick(elapsed, decode_steps, prefill_steps, len(self.convs), self.cache.stats())
+
+    def _encode(self) -> None:
+        rows, chunks, owners = [], [], []
+        for cid, parts in self.pending_audio.items():
+            if parts:
+                conv = self.convs[cid]
+                rows.append(conv.row)
+                chunks.append(np.concatenate(parts))
+                owners.append(conv)
+                parts.clear()
+        if not rows:
+            return
+        now = self.clock()
+        for conv, codes in zip(owners, self.encoder.push(chunks, rows), strict=True):
+            if codes.shape[-1]:
+                if conv.first_frame_at is None:
+                    conv.first_frame_at = now
+                if conv.mode == "turn" and (not conv.turns or conv.turns[-1].reply_start is not None):
+                    if conv.phase is Phase.LISTEN:
+                        conv.turns.append(Turn(len(conv.turns), conv.user_frames, times={"first_audio_in": now}))
+                conv.add_user_frames(codes.cpu().numpy())
+
+    def _start_replies(self) -> None:
+        """Turn mode: once a finished turn's audio is all encoded, the model stream becomes predicted."""
+        for cid in list(self.pending_end):
+            conv = self.convs[cid]
+            if self.pending_audio[cid] or conv.phase is Phase.REPLY or not conv.turns:
+                continue
+            self.pending_end.discard(cid)
+            turn = conv.turns[-1]
+            turn.reply_start = conv.user_frames
+            turn.times["reply_start"] = self.clock()
+            conv.phase = Phase.REPLY
+            conv.emitted = turn.reply_start
+            self._fill_reply_silence(conv)
+            if conv.computed == turn.reply_start and conv.last_logits is not None:
+                self._sample([conv])  # the user's last step is already computed: sample at once
+
+    def _fill_reply_silence(self, conv: Conversation) -> None:
+        """While replying, the user stream is silent; after the reply's end, the model stream is too."""
+        turn = conv.turns[-1]
+        horizon = conv.computed + int(conv.delays.max()) + 2
+        conv._ensure(horizon + 1)
+        silent = self.model.config.silent_id
+        for f in range(turn.reply_start, horizon):
+            if conv.user[f, 0] == UNKNOWN:
+                conv.user[f] = silent
+        conv.user_frames = max(conv.user_frames, horizon)
+        if turn.reply_end is not None:
+            block = conv.model[turn.reply_end : horizon]
+            block[block == UNKNOWN] = silent
+
+    def _advance_replies(self) -> None:
+        for conv in self.convs.values():
+            if conv.phase is Phase.REPLY:
+                self._fill_reply_silence(conv)
+
+    def _finish_replies(self) -> None:
+        """A reply is over once every codebook of its frames is known and decoded: back to listening."""
+        for conv in self.convs.values():
+            if conv.phase is not Phase.REPLY:
+                continue
+            turn = conv.turns[-1]
+            if turn.reply_end is None or conv.emitted < turn.reply_end:
+                continue
+            turn.times["reply_done"] = self.clock()
+            self._rewind(conv, conv.computed)
+            conv.phase = Phase.LISTEN
+            self._insert(conv, lock=True)
+            self._emit_meta(conv, {"event": "reply_done", "turn": turn.id, "frames": turn.reply_end - turn.reply_start})
+
+    def _rewind(self, conv: Conversation, frame: int) -> None:
+        """Forget everything from `frame` on (both streams); K/V of later steps are dropped."""
+        conv.user[frame:] = UNKNOWN
+        conv.model[frame:] = UNKNOWN
+        conv.user_frames = frame
+        if conv.computed > frame:
+            conv.computed = frame
+            conv.last_logits = None
+        keep = math.ceil(conv.computed / self.cfg.page_size)
+        if self.cache.pages_on_open(self.cfg.max_context) == 0 and len(conv.pages) > keep:
+            dropped = conv.pages[keep:]
+            own = [p for p in dropped if p in set(conv.own_pages)]
+            conv.pages = conv.pages[:keep]
+            conv.own_pages = [p for p in conv.own_pages if p not in set(own)]
+            self.cache.release(own)
+
+    def _deadline(self, conv: Conversation) -> float:
+        """When the output frame the next step leads to must be sent (duplex), for earliest-deadline-first."""
+        if conv.first_frame_at is None:
+            return math.inf
+        frame = conv.computed - conv.prompt_frames
+        return conv.first_frame_at + frame * FRAME_S + self.cfg.jitter_buffer_s
+
+    def _reserve_pages(self, work: list[Work]) -> list[Work]:
+        kept = []
+        for w in work:
+            conv = w.conv
+            need = math.ceil((conv.computed + len(w.tokens)) / self.cfg.page_size) - len(conv.pages)
+            if need > 0:
+                spare = [p for p in conv.own_pages if p not in set(conv.pages)]  # naive: reserved up front
+                take, spare = spare[:need], spare[need:]
+                try:
+                    new = take + (self.cache.alloc(need - len(take)) if need > len(take) else [])
+                except OutOfPages:
+                    self.stats.out_of_pages += 1
+                    continue  # this conversation waits a tick; nobody else's pages are touched
+                conv.pages += new
+                conv.own_pages += [p for p in new if p not in set(conv.own_pages)]
+            kept.append(w)
+        return kept
+
+    def _forward(self, work: list[Work]) -> None:
+        convs = [w.conv for w in work]
+        batch = PagedBatch.build(
+            [c.computed for c in convs],
+            [len(w.tokens) for w in work],
+            [c.pages for c in convs],
+            self.cfg.page_size,
+            device=self.pool.k[0].device,
+        )
+        tokens = torch.from_numpy(np.concatenate([w.tokens for w in work])).to(self.pool.k[0].device)
+        out = self.model.forward_paged(tokens, batch, self.pool.k, self.pool.v)
+        for i, w in enumerate(work):
+            w.conv.computed += len(w.tokens)
+            w.conv.last_logits = out.logits[i]
+            if not w.decode and w.conv.step_token(w.conv.computed) is None:
+                self._insert(w.conv, lock=True)  # a prefill finished: later arrivals can share it at once
+
+    def _sample(self, convs: list[Conversation]) -> None:
+        todo = [c for c in convs if c.last_logits is not None and c.wanted()]
+        if not todo:
+            return
+        logits = torch.stack([c.last_logits for c in todo])
+        codes = sample(logits, [c.sampling for c in todo], [c.generator for c in todo], self.model.config.pad_id)
+        now = self.clock()
+        end = self.model.config.end_id
+        for conv, c in zip(todo, codes.cpu().numpy(), strict=True):
+            filled = conv.accept(c)
+            if conv.phase is not Phase.REPLY:
+                continue
+            turn = conv.turns[-1]
+            turn.times.setdefault("first_step", now)
+            for f, k in filled:
+                if (
+                    k == 0
+                    and turn.reply_end is None
+                    and (conv.model[f, 0] == end or f - turn.reply_start + 1 >= self.cfg.max_reply_frames)
+                ):
+                    turn.reply_end = f + 1 if conv.model[f, 0] != end else f
+            if turn.reply_end is not None:
+                self._fill_reply_silence(conv)
+
+    def _decode_audio(self) -> None:
+        groups: dict[int, list[tuple[Conversation, int, int]]] = {}
+        for conv in self.convs.values():
+            start, stop = self._sendable(conv)
+            if stop > start:
+                groups.setdefault(stop - start, []).append((conv, start, stop))
+        cfg = self.model.config
+        for items in groups.values():
+            codes = np.stack([conv.model[a:b].T for conv, a, b in items])
+            codes = np.where(codes < cfg.codebook_size, codes, self.silence_codes[None, :, None])
+            pcm = self.decoder.push(torch.from_numpy(codes), [conv.row for conv, _, _ in items]).cpu().numpy()
+            now = self.clock()
+            for (conv, a, b), audio in zip(items, pcm, strict=True):
+                conv.emitted = b
+                turn = conv.turns[-1]
+                turn.times.setdefault("first_audio_out", now)
+                if conv.mode == "duplex":
+                    for f in range(a, b):
+                        if (
+                            now
+                            > conv.first_frame_at + (f - conv.prompt_frames + 1) * FRAME_S + self.cfg.jitter_buffer_s
+                        ):
+                            self.stats.deadline_misses += 1
+                self.events[conv.id].put(AudioEvent(conv.id, turn.id, a, audio, dict(turn.times)))
+
+    def _sendable(self, conv: Conversation) -> tuple[int, int]:
+        complete = conv.complete_model_frames()
+        if conv.mode == "duplex":
+            start = max(conv.emitted, conv.prompt_frames)
+            return start, complete if conv.first_frame_at is not None else start
+        if conv.phase is not Phase.REPLY:
+            return conv.emitted, conv.emitted
+        turn = conv.turns[-1]
+        stop = complete if turn.reply_end is None else min(complete, turn.reply_end)
+        return conv.emitted, max(conv.emitted, stop)
+
+    # ---- cache bookkeeping -------------------------------------------------------------------------------------
+
+    def _attach_cache(self, conv: Conversation) -> None:
+        """Match the longest cached prefix of what the conversation knows so far and lock it."""
+        known = 0
+        while conv.step_token(known) is not None:
+            known += 1
+        m = self.cache.match(conv.key(known)) if known else None
+        if m is not None and m.cached_steps:
+            self.cache.lock(m.handle)
+            conv.handle = m.handle
+            conv.pages = list(m.pages)
+            conv.computed = m.cached_steps
+
+    def _insert(self, conv: Conversation, lock: bool) -> None:
+        full = conv.computed // self.cfg.page_size * self.cfg.page_size
+        if full == 0:
+            return
+        handle = self.cache.insert(conv.key(full), conv.pages[: full // self.cfg.page_size])
+        if lock:
+            self.cache.lock(handle)
+        if conv.handle is not None:
+            self.cache.unlock(conv.handle)
+        conv.handle = handle if lock else None
+
+    def _detach(self, conv: Conversation) -> None:
+        self.cache.release(conv.own_pages)
+        conv.own_pages, conv.pages = [], []
+        if conv.handle is not None:
+            self.cache.unlock(conv.handle)
+            conv.handle = None
+        self.encoder.reset(conv.row)
+        self.decoder.reset(conv.row)
+        self.free_rows.append(conv.row)
+
+    # ---- admission ---------------------------------------------------------------------------------------------
+
+    def _admission_problem(self, mode: str) -> str | None:
+        if mode not in ("duplex", "turn"):
+            raise ValueError(f"mode must be duplex or turn, got {mode!r}")
+        if not self.free_rows or len(self.convs) >= self.cfg.max_conversations:
+            return f"the engine holds its maximum of {self.cfg.max_conversations} conversations"
+        if mode == "duplex":
+            duplex = sum(1 for c in self.convs.values() if c.mode == "duplex") + 1
+            predicted = self.cost.predict(duplex, 0)
+            budget = self.cfg.tick_s * self.cfg.admission_headroom
+            if predicted is not None and predicted > budget:
+                return (
+                    f"admitting another duplex conversation would make a tick take {predicted * 1000:.1f} ms, over "
+                    f"the {budget * 1000:.1f} ms budget: admitted conversations would miss their frame deadlines"
+                )
+        return None
+
+    def _conv(self, cid: str) -> Conversation:
+        conv = self.convs.get(cid)
+        if conv is None:
+            raise KeyError(f"no open session {cid!r}")
+        return conv
+
+    def _emit_meta(self, conv: Conversation, data: dict) -> None:
+        self.events[conv.id].put(MetaEvent(conv.id, data.get("turn", 0), data))

@@ -1,0 +1,66 @@
+"""Engine statistics and the tick cost model that admission control calibrates as the engine runs."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class CostModel:
+    """tick seconds ~ a + b * decode steps + c * prefill steps, least squares over the recent ticks."""
+
+    def __init__(self, window: int = 400):
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._coef: np.ndarray | None = None
+        self._dirty = False
+
+    def observe(self, decode_steps: int, prefill_steps: int, seconds: float) -> None:
+        if decode_steps or prefill_steps:
+            self.samples.append((decode_steps, prefill_steps, seconds))
+            self._dirty = True
+
+    def predict(self, decode_steps: int, prefill_steps: int) -> float | None:
+        """Predicted model seconds of a tick, or None before there is data to say."""
+        if self._dirty:
+            self._fit()
+        if self._coef is None:
+            return None
+        a, b, c = self._coef
+        return float(a + b * decode_steps + c * prefill_steps)
+
+    def _fit(self) -> None:
+        self._dirty = False
+        if len(self.samples) < 8:
+            return
+        s = np.asarray(self.samples, dtype=np.float64)
+        if len(np.unique(s[:, 0])) < 2 and not s[:, 1].any():
+            # one batch size seen so far: assume cost proportional to it, the cautious extrapolation
+            per = float(np.median(s[:, 2] / s[:, 0]))
+            self._coef = np.array([0.0, per, 0.0])
+            return
+        x = np.column_stack([np.ones(len(s)), s[:, 0], s[:, 1]])
+        coef, *_ = np.linalg.lstsq(x, s[:, 2], rcond=None)
+        self._coef = np.maximum(coef, 0.0)
+
+
+@dataclass
+class EngineStats:
+    ticks: int = 0
+    refused: int = 0
+    out_of_pages: int = 0
+    deadline_misses: int = 0
+    tick_seconds: deque = field(default_factory=lambda: deque(maxlen=10000))
+    last: dict = field(default_factory=dict)
+
+    def record_tick(self, seconds: float, decode_steps: int, prefill_steps: int, conversations: int, cache) -> None:
+        self.ticks += 1
+        self.tick_seconds.append(seconds)
+        self.last = {
+            "tick_ms": seconds * 1000,
+            "decode_steps": decode_steps,
+            "prefill_steps": prefill_steps,
+            "conversations": conversations,
+            "cache": cache,
+        }

@@ -1,0 +1,60 @@
+"""Scheduler: what each tick's single batched forward computes.
+
+Every conversation whose next step is known and leads to a sampled frame decodes one step (duplex steps and turn
+replies: these are the deadlines, and admission control keeps them affordable). Prefill (voice prompts, a turn's user
+frames) shares a per-tick step budget, longest cached prefix first, with aging so that a cold conversation is not
+starved by a stream of warm ones (sglang #31954).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from s2s.conversation import Conversation
+
+AGING_STEPS_PER_S = 2000.0  # a second of waiting counts like this many cached steps
+
+
+@dataclass
+class Work:
+    conv: Conversation
+    tokens: np.ndarray  # [n, 2K] step tokens to compute
+    decode: bool  # one step whose logits are sampled (a frame deadline depends on it)
+
+
+class Scheduler:
+    def __init__(self, prefill_budget: int):
+        if prefill_budget < 1:
+            raise ValueError(f"prefill_budget must be >= 1, got {prefill_budget}")
+        self.prefill_budget = prefill_budget
+        self._waiting_since: dict[str, float] = {}
+
+    def pick(self, convs: list[Conversation], now: float, deadline: Callable[[Conversation], float]) -> list[Work]:
+        decode, prefill = [], []
+        for conv in convs:
+            tokens = conv.ready_steps(self.prefill_budget)
+            if not len(tokens):
+                self._waiting_since.pop(conv.id, None)
+                continue
+            if len(tokens) == 1 and conv.wanted_after(1):
+                decode.append(Work(conv, tokens, True))
+            else:
+                prefill.append((conv, tokens))
+        decode.sort(key=lambda w: deadline(w.conv))
+        work = list(decode)
+        for conv, _ in prefill:
+            self._waiting_since.setdefault(conv.id, now)
+        prefill.sort(key=lambda ct: -(ct[0].computed + AGING_STEPS_PER_S * (now - self._waiting_since[ct[0].id])))
+        budget = self.prefill_budget
+        for conv, tokens in prefill:
+            if budget <= 0:
+                break
+            take = tokens[:budget]
+            budget -= len(take)
+            work.append(Work(conv, take, False))
+            if len(take) == len(tokens):
+                self._waiting_since.pop(conv.id, None)
+        return work

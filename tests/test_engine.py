@@ -1,0 +1,263 @@
+"""s2s/ engine: batching, caches, admission, barge-in, turn ids, page accounting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from codec import EncodecTokenizer
+from s2s import ModelConfig, S2SModel, SamplingParams
+from s2s.conversation import Phase
+from s2s.engine import FRAME_S, AudioEvent, Engine, EngineConfig, MetaEvent, Refused
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def tok() -> EncodecTokenizer:
+    return EncodecTokenizer.from_pretrained(seed=0)
+
+
+@pytest.fixture(scope="module")
+def model() -> S2SModel:
+    return S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0)
+
+
+def speech(seconds: float, seed: int) -> np.ndarray:
+    g = np.random.default_rng(seed)
+    t = np.arange(int(seconds * 24000)) / 24000
+    return (0.2 * np.sin(2 * np.pi * (150 + 40 * seed) * t) * (0.5 + 0.5 * g.random(len(t)))).astype(np.float32)
+
+
+def drain(engine: Engine, cid: str) -> list:
+    q = engine.event_queue(cid)
+    out = []
+    while not q.empty():
+        out.append(q.get())
+    return out
+
+
+def run_turns(engine: Engine, cids: list[str], turns: int, seconds: float = 0.4) -> dict[str, list[np.ndarray]]:
+    """Every conversation speaks `turns` times; returns each one's reply model frames per turn."""
+    replies: dict[str, list[np.ndarray]] = {c: [] for c in cids}
+    for turn in range(turns):
+        wavs = {c: speech(seconds, seed=10 * i + turn) for i, c in enumerate(cids)}
+        for a in range(0, int(seconds * 24000), 1920):
+            for c in cids:
+                engine.push_audio(c, wavs[c][a : a + 1920])
+            engine.step()
+        for c in cids:
+            engine.end_turn(c)
+        for _ in range(400):
+            engine.step()
+            if all(engine.convs[c].phase is Phase.LISTEN and len(engine.convs[c].turns) == turn + 1 for c in cids):
+                break
+        for c in cids:
+            conv = engine.convs[c]
+            t = conv.turns[-1]
+            assert t.reply_end is not None, "reply did not finish"
+            replies[c].append(conv.model[t.reply_start : t.reply_end].copy())
+    return replies
+
+
+def make(model, tok, mode: str = "radix", **kw) -> Engine:
+    kw.setdefault("max_context", 512)
+    cfg = EngineConfig(cache_mode=mode, num_pages=kw.pop("num_pages", 400), max_reply_frames=10, **kw)
+    return Engine(model, tok, cfg)
+
+
+def test_greedy_identical_across_cache_modes_and_batches(model, tok) -> None:
+    prompt = tok.encode(speech(0.5, seed=99))[0]  # a shared voice prompt, 38 frames
+    results = {}
+    for mode in ("naive", "paged", "exact", "radix"):
+        together = make(model, tok, mode)
+        cids = [together.open("turn", prompt=prompt, sampling=GREEDY) for _ in range(3)]
+        results[(mode, "together")] = run_turns(together, cids, turns=2)
+        alone = {}
+        for i in range(3):
+            engine = make(model, tok, mode)
+            cid = engine.open("turn", prompt=prompt, sampling=GREEDY, session_id=cids[i])
+            # the same speech as conversation i had in the batch
+            alone.update(_run_as(engine, cid, i))
+        results[(mode, "alone")] = alone
+        together.cache.check()
+    reference = results[("naive", "alone")]
+    for key, got in results.items():
+        for cid in reference:
+            for a, b in zip(reference[cid], got[cid], strict=True):
+                assert np.array_equal(a, b), (key, cid)
+    assert any(len(r) for rs in reference.values() for r in rs)
+
+
+def _run_as(engine: Engine, cid: str, index: int) -> dict[str, list[np.ndarray]]:
+    """run_turns for one conversation that plays the part of conversation `index` of a batch."""
+    replies = []
+    for turn in range(2):
+        wav = speech(0.4, seed=10 * index + turn)
+        for a in range(0, len(wav), 1920):
+            engine.push_audio(cid, wav[a : a + 1920])
+            engine.step()
+        engine.end_turn(cid)
+        for _ in range(400):
+            engine.step()
+            conv = engine.convs[cid]
+            if conv.phase is Phase.LISTEN and len(conv.turns) == turn + 1:
+                break
+        t = engine.convs[cid].turns[-1]
+        replies.append(engine.convs[cid].model[t.reply_start : t.reply_end].copy())
+    return {cid: replies}
+
+
+def test_prefix_cache_reuses_the_shared_prompt(model, tok) -> None:
+    prompt = tok.encode(speech(1.0, seed=5))[0]  # 75 frames
+    hits = {}
+    for mode in ("paged", "exact", "radix"):
+        engine = make(model, tok, mode)
+        first = engine.open("turn", prompt=prompt, sampling=GREEDY)
+        for _ in range(3):
+            engine.step()
+        engine.close(first)
+        engine.open("turn", prompt=prompt, sampling=GREEDY)
+        hits[mode] = engine.cache.stats().hit_steps
+        engine.cache.check()
+    assert hits["paged"] == 0 and hits["radix"] >= hits["exact"] >= 64
+
+
+class SimClock:
+    """Time moves only when told: by the tick, and by the simulated cost of each forward."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_admission_refuses_and_admitted_duplex_keep_deadlines(model, tok) -> None:
+    clock = SimClock()
+    engine = Engine(model, tok, EngineConfig(num_pages=2000, max_conversations=12), clock=clock)
+    real_forward = engine._forward
+
+    def costly_forward(work):  # a simulated machine: 1 ms + 2 ms per decode step + 0.05 ms per prefill step
+        decode = sum(1 for w in work if w.decode)
+        clock.now += 0.001 + 0.002 * decode + 0.00005 * sum(len(w.tokens) for w in work if not w.decode)
+        real_forward(work)
+
+    engine._forward = costly_forward
+    live = [engine.open("duplex", sampling=GREEDY) for _ in range(2)]
+    refused = 0
+    for tick in range(300):
+        if tick >= 60 and tick % 5 == 0:  # a burst: someone asks every 5 ticks
+            try:
+                live.append(engine.open("duplex", sampling=GREEDY))
+            except Refused as e:
+                assert "deadline" in str(e) or "maximum" in str(e)
+                refused += 1
+        for cid in live:
+            engine.push_audio(cid, speech(FRAME_S, seed=tick)[:320])
+        start = clock.now
+        engine.step()
+        clock.now = max(clock.now, start + engine.cfg.tick_s)  # the next tick starts on time or late
+    assert refused > 0, "the burst should have hit the frame budget"
+    assert len(live) >= 3
+    assert engine.stats.deadline_misses == 0
+    # with 12 rows max and 2 ms a step, at most ~4 duplex fit the 13.3 ms x 0.8 budget
+    assert len(live) <= 5
+
+
+def test_refuses_past_max_conversations(model, tok) -> None:
+    engine = make(model, tok, max_conversations=2)
+    engine.open("turn")
+    engine.open("turn")
+    with pytest.raises(Refused, match="maximum of 2"):
+        engine.open("turn")
+    assert engine.stats.refused == 1
+    with pytest.raises(ValueError, match="mode"):
+        engine.open("simplex")
+
+
+def test_barge_in_keeps_only_played_frames(model, tok) -> None:
+    engine = make(model, tok, "radix")
+    engine.cfg.max_reply_frames = 60
+    cid = engine.open("turn", sampling=SamplingParams(temperature=0.8, seed=1))
+    wav = speech(0.4, seed=1)
+    for a in range(0, len(wav), 1920):
+        engine.push_audio(cid, wav[a : a + 1920])
+        engine.step()
+    engine.end_turn(cid)
+    conv = engine.convs[cid]
+    while conv.emitted - (conv.turns[-1].reply_start or 10**9) < 12:
+        engine.step()
+    turn = conv.turns[-1]
+    played = 7
+    kept = conv.model[turn.reply_start : turn.reply_start + played].copy()
+    engine.interrupt(cid, played)
+    cut = turn.reply_start + played
+    assert conv.phase is Phase.LISTEN and turn.reply_end == cut
+    assert conv.computed <= cut and conv.user_frames == cut
+    assert np.array_equal(conv.model[turn.reply_start : cut], kept)
+    assert (conv.model[cut:] == -1).all()
+    # the next turn's context is what the user heard, then the new speech
+    wav2 = speech(0.3, seed=2)
+    for a in range(0, len(wav2), 1920):
+        engine.push_audio(cid, wav2[a : a + 1920])
+        engine.step()
+    key = conv.key(conv.computed)
+    model_codebook0 = key[turn.reply_start : cut, engine.model.config.num_codebooks]
+    assert np.array_equal(model_codebook0, kept[:, 0])
+    engine.cache.check()
+
+
+def test_turn_ids_through_barge_in(model, tok) -> None:
+    engine = make(model, tok, "radix")
+    engine.cfg.max_reply_frames = 40
+    cid = engine.open("turn", sampling=SamplingParams(temperature=0.8, seed=3))
+    seen: list[tuple[int, object]] = []
+    for turn in range(3):
+        wav = speech(0.3, seed=turn)
+        for a in range(0, len(wav), 1920):
+            engine.push_audio(cid, wav[a : a + 1920])
+            engine.step()
+        engine.end_turn(cid)
+        for _ in range(15):
+            engine.step()
+        events = drain(engine, cid)
+        seen += [(turn, e) for e in events]
+        if turn < 2:
+            engine.interrupt(cid, played_frames=3)  # the user talks over the reply
+    audio = [(turn, e) for turn, e in seen if isinstance(e, AudioEvent)]
+    assert audio and all(e.turn == turn for turn, e in audio)
+    assert [t.id for t in engine.convs[cid].turns] == [0, 1, 2]
+    assert all("interrupted" in t.times for t in engine.convs[cid].turns[:2])
+    assert all(isinstance(e, AudioEvent | MetaEvent) for _, e in seen)
+
+
+@pytest.mark.parametrize("mode", ["naive", "paged", "exact", "radix"])
+def test_close_at_any_point_frees_private_pages(model, tok, mode: str) -> None:
+    rng = np.random.default_rng(0)
+    engine = make(model, tok, mode, num_pages=600, max_conversations=6, max_context=256)
+    prompt = tok.encode(speech(0.6, seed=7))[0]
+    cids = []
+    for i in range(6):
+        cids.append(engine.open("turn" if i % 2 else "duplex", prompt=prompt if i % 3 == 0 else None))
+    live = list(cids)
+    for i in rng.permutation(len(cids)):
+        for _ in range(int(rng.integers(0, 25))):
+            for c in live:
+                engine.push_audio(c, speech(0.08, seed=int(rng.integers(100)))[:1920])
+            engine.step()
+        if i % 2:
+            engine.end_turn(cids[i])
+        engine.step()
+        engine.close(cids[i])
+        live.remove(cids[i])
+        engine.cache.check()
+        engine.pool.check()
+        assert engine.cache.stats().private <= sum(len(c.own_pages) for c in engine.convs.values())
+    stats = engine.cache.stats()
+    assert stats.private == 0 and stats.cached_locked == 0
+    assert stats.free + stats.cached_evictable == engine.pool.num_usable
+    with pytest.raises(KeyError):
+        engine.push_audio("nobody", np.zeros(10, np.float32))
+    assert torch.isfinite(engine.pool.k[0]).all()
