@@ -63,6 +63,23 @@ class Conversation:
         self.first_frame_at: float | None = None  # when the first user frame reached the engine (deadlines)
         self.prompt_frames = 0
 
+    def snapshot(self) -> dict:
+        """What a resumed conversation needs: both streams, the turns, the prompt length."""
+        return {
+            "user": self.user[: self.user_frames].copy(),
+            "model": self.model[: self.user_frames].copy(),
+            "turns": [Turn(t.id, t.first_frame, t.reply_start, t.reply_end) for t in self.turns],
+            "prompt_frames": self.prompt_frames,
+        }
+
+    def restore(self, snap: dict) -> None:
+        n = len(snap["user"])
+        self._ensure(n + 1)
+        self.user[:n], self.model[:n] = snap["user"], snap["model"]
+        if self.mode == "duplex" and n == 0:
+            self.model[0] = self.cfg.silent_id
+        self.user_frames, self.turns, self.prompt_frames = n, snap["turns"], snap["prompt_frames"]
+
     # ---- frames --------------------------------------------------------------------------------------------------
 
     def _ensure(self, frames: int) -> None:

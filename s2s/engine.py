@@ -49,6 +49,7 @@ class EngineConfig:
     prefill_budget: int = 256  # prefill steps per tick, all conversations together
     jitter_buffer_s: float = 0.08
     max_reply_frames: int = 750
+    session_ttl_s: float = 300.0  # a closed conversation can be resumed by id this long
     admission_headroom: float = 0.8  # admit while the predicted tick time stays under this share of tick_s
 
 
@@ -108,6 +109,7 @@ class Engine:
         self.events: dict[str, queue.Queue] = {}
         self.pending_audio: dict[str, list[np.ndarray]] = {}
         self.pending_end: set[str] = set()
+        self._closed: dict[str, tuple[dict, float]] = {}  # closed sessions' context, for resume within the TTL
         self.scheduler = Scheduler(self.cfg.prefill_budget)
         self.cost = CostModel()
         self.stats = EngineStats()
@@ -127,9 +129,16 @@ class Engine:
         prompt: np.ndarray | torch.Tensor | None = None,
         sampling: SamplingParams | None = None,
         session_id: str | None = None,
+        resume: bool = False,
     ) -> str:
-        """Admit a conversation or raise `Refused` with the reason. `prompt`: voice-prompt codes `[K, P]`."""
+        """Admit a conversation or raise `Refused` with the reason. `prompt`: voice-prompt codes `[K, P]`.
+
+        `resume=True` reopens the closed session `session_id` (within `session_ttl_s`) with its whole context; the
+        prefix cache gives back whatever of it is still cached."""
         with self._lock:
+            self._forget_expired()
+            if resume and session_id not in self._closed:
+                raise KeyError(f"no closed session {session_id!r} to resume (never opened, or older than the TTL)")
             reason = self._admission_problem(mode)
             if reason:
                 self.stats.refused += 1
@@ -139,7 +148,9 @@ class Engine:
                 raise ValueError(f"session {cid!r} is already open")
             row = self.free_rows.pop()
             conv = Conversation(cid, mode, self.model.config, sampling or SamplingParams(), row, self.clock())
-            if prompt is not None:
+            if resume:
+                conv.restore(self._closed.pop(session_id)[0])
+            elif prompt is not None:
                 codes = np.asarray(torch.as_tensor(prompt).cpu(), dtype=np.int64)
                 if codes.ndim != 2 or codes.shape[0] != self.tok.num_codebooks:
                     raise ValueError(f"prompt codes must be [K={self.tok.num_codebooks}, P], got {codes.shape}")
@@ -158,7 +169,7 @@ class Engine:
             self.convs[cid] = conv
             self.events[cid] = queue.Queue()
             self.pending_audio[cid] = []
-            if mode == "duplex" or conv.prompt_frames:
+            if not conv.turns and (mode == "duplex" or conv.prompt_frames):
                 conv.turns.append(Turn(0, conv.prompt_frames))
             return cid
 
@@ -198,9 +209,30 @@ class Engine:
             conv = self._conv(cid)
             self._insert(conv, lock=False)
             self._detach(conv)
+            self._closed[cid] = (conv.snapshot(), self.clock())
             del self.convs[cid], self.pending_audio[cid]
             self.pending_end.discard(cid)
             self.events.pop(cid).put(None)
+
+    def regenerate(self, cid: str) -> None:
+        """Turn mode: drop the last reply and generate it again (a new draw unless sampling is greedy or seeded);
+        everything before the reply keeps its K/V."""
+        with self._lock:
+            conv = self._conv(cid)
+            if conv.mode != "turn" or conv.phase is not Phase.LISTEN or not conv.turns:
+                raise ValueError("regenerate needs a turn-mode conversation that has finished a reply")
+            turn = conv.turns[-1]
+            if turn.reply_start is None:
+                raise ValueError("the last turn has no reply to regenerate")
+            self._rewind(conv, turn.reply_start)
+            turn.reply_start = turn.reply_end = None
+            turn.times = {"regenerate": self.clock()}
+            self.pending_end.add(cid)
+
+    def _forget_expired(self) -> None:
+        now = self.clock()
+        for cid in [c for c, (_, t) in self._closed.items() if now - t > self.cfg.session_ttl_s]:
+            del self._closed[cid]
 
     def event_queue(self, cid: str) -> queue.Queue:
         return self.events[cid]
@@ -238,7 +270,6 @@ class Engine:
             self._start_replies()
             work = self.scheduler.pick(list(self.convs.values()), start, self._deadline)
             work = self._reserve_pages(work)
-            t_model = self.clock()
             if work:
                 self._forward(work)
                 self._sample([w.conv for w in work])
@@ -248,7 +279,8 @@ class Engine:
             elapsed = self.clock() - start
             decode_steps = sum(1 for w in work if w.decode)
             prefill_steps = sum(len(w.tokens) for w in work if not w.decode)
-            self.cost.observe(decode_steps, prefill_steps, self.clock() - t_model)
+            # the whole tick, codec included: that is what must fit the frame budget
+            self.cost.observe(decode_steps, prefill_steps, elapsed)
             self.stats.record_tick(elapsed, decode_steps, prefill_steps, len(self.convs), self.cache.stats())
 
     def _encode(self) -> None:
@@ -327,7 +359,8 @@ class Engine:
         conv.model[frame:] = UNKNOWN
         conv.user_frames = frame
         if conv.computed > frame:
-            conv.computed = frame
+            # the stored logits belong to a forgotten step: recompute step frame - 1 to predict frame again
+            conv.computed = max(0, frame - 1)
             conv.last_logits = None
         keep = math.ceil(conv.computed / self.cfg.page_size)
         if self.cache.pages_on_open(self.cfg.max_context) == 0 and len(conv.pages) > keep:

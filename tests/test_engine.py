@@ -261,3 +261,62 @@ def test_close_at_any_point_frees_private_pages(model, tok, mode: str) -> None:
     with pytest.raises(KeyError):
         engine.push_audio("nobody", np.zeros(10, np.float32))
     assert torch.isfinite(engine.pool.k[0]).all()
+
+
+def test_resume_and_regenerate_reuse_the_cache(model, tok) -> None:
+    engine = make(model, tok, "radix")
+    cid = engine.open("turn", sampling=GREEDY, session_id="alice")
+    first = run_turns(engine, [cid], turns=1)[cid][0]
+    computed = engine.convs[cid].computed
+    # regenerate: same greedy reply, and the user's turn is not computed again
+    engine.regenerate(cid)
+    conv = engine.convs[cid]
+    assert conv.computed <= conv.turns[-1].first_frame + 64 and conv.computed > 0
+    before = engine.stats.ticks
+    for _ in range(400):
+        engine.step()
+        if conv.phase is Phase.LISTEN and conv.turns[-1].reply_end is not None:
+            break
+    t = conv.turns[-1]
+    assert np.array_equal(conv.model[t.reply_start : t.reply_end], first)
+    assert engine.stats.ticks - before < 40
+    # close, then resume by id: the context comes back and the cache serves it
+    engine.close(cid)
+    hits = engine.cache.stats().hit_steps
+    engine.open("turn", sampling=GREEDY, session_id="alice", resume=True)
+    resumed = engine.convs["alice"]
+    assert resumed.user_frames >= t.reply_end and len(resumed.turns) == 1
+    assert engine.cache.stats().hit_steps - hits >= (computed // 16 - 1) * 16
+    with pytest.raises(KeyError, match="resume"):
+        engine.open("turn", session_id="bob", resume=True)
+    engine.cache.check()
+
+
+def test_threaded_engine_through_asyncio(model, tok) -> None:
+    """The real loop: the engine ticks in its thread, a client streams audio in real time and reads audio back."""
+    import asyncio
+
+    from s2s.facade import AsyncEngine
+
+    async def main() -> int:
+        async with AsyncEngine(make(model, tok, "radix")) as engine:
+            cid = engine.open("duplex", sampling=GREEDY)
+            frames = 0
+
+            async def read() -> None:
+                nonlocal frames
+                async for event in engine.events(cid):
+                    frames += len(event.pcm) // 320 if isinstance(event, AudioEvent) else 0
+
+            reader = asyncio.create_task(read())
+            wav = speech(0.8, seed=4)
+            for a in range(0, len(wav), 1920):
+                engine.push_audio(cid, wav[a : a + 1920])
+                await asyncio.sleep(0.08)
+            await asyncio.sleep(0.3)
+            engine.close(cid)
+            await asyncio.wait_for(reader, 5)
+            return frames
+
+    frames = asyncio.run(main())
+    assert 40 <= frames <= 60  # 0.8 s is 60 frames; the encoder's start-up look-ahead holds a few back
