@@ -22,7 +22,7 @@ _workspace = threading.local()
 def _scratch(name: str, pages: int, page_size: int, dim: int, like: torch.Tensor) -> torch.Tensor:
     """A reusable [pages, page_size, dim] buffer per thread: a fresh multi-MB tensor every call costs more in page
     faults (the allocator returns large blocks to the OS) than the gather that fills it."""
-    key = (name, like.dtype, like.device)
+    key = (name, like.dtype, like.device, torch.is_inference_mode_enabled())  # inference tensors stay apart
     buffers = getattr(_workspace, "buffers", None)
     if buffers is None:
         buffers = _workspace.buffers = {}

@@ -51,6 +51,7 @@ class EngineConfig:
     max_reply_frames: int = 750
     session_ttl_s: float = 300.0  # a closed conversation can be resumed by id this long
     admission_headroom: float = 0.8  # admit while the predicted tick time stays under this share of tick_s
+    calibration_ticks: int = 16  # ticks run at start on 1, 2 and 4 silent duplex conversations to seed the cost model
 
 
 @dataclass
@@ -120,6 +121,24 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.RLock()  # guards conversation state against calls from other threads
+        self._calibrate()
+
+    def _calibrate(self) -> None:
+        """Seed the cost model with real ticks (codec and model) on silent duplex conversations, like vLLM's
+        profiling run, so that admission is right from the first burst; then forget them."""
+        silence = np.zeros(320, dtype=np.float32)
+        for n in (1, 2, 4):
+            if n > self.cfg.max_conversations or not self.cfg.calibration_ticks:
+                break
+            cids = [self.open("duplex", sampling=SamplingParams(seed=i), session_id=f"_calibrate{i}") for i in range(n)]
+            for _ in range(self.cfg.calibration_ticks):
+                for cid in cids:
+                    self.push_audio(cid, silence)
+                self.step()
+            for cid in cids:
+                self._detach(self.convs.pop(cid))
+                del self.pending_audio[cid], self.events[cid]
+        self.stats = EngineStats()
 
     # ---- public API (thread-safe) ------------------------------------------------------------------------------
 

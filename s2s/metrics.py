@@ -32,16 +32,16 @@ class CostModel:
 
     def _fit(self) -> None:
         self._dirty = False
-        if len(self.samples) < 8:
+        if not self.samples:
             return
         s = np.asarray(self.samples, dtype=np.float64)
-        if len(np.unique(s[:, 0])) < 2 and not s[:, 1].any():
-            # one batch size seen so far: assume cost proportional to it, the cautious extrapolation
-            per = float(np.median(s[:, 2] / s[:, 0]))
-            self._coef = np.array([0.0, per, 0.0])
+        if len(s) < 16 or len(np.unique(s[:, 0])) < 2:
+            # little data, or one batch size so far: assume cost proportional to the steps (cautious)
+            steps = np.maximum(s[:, 0] + 0.05 * s[:, 1], 1)
+            self._coef = np.array([0.0, float(np.percentile(s[:, 2] / steps, 90)), 0.0])
             return
         x = np.column_stack([np.ones(len(s)), s[:, 0], s[:, 1]])
-        coef, *_ = np.linalg.lstsq(x, s[:, 2], rcond=None)
+        coef, *_ = np.linalg.lstsq(x, np.asarray(s[:, 2]), rcond=None)
         self._coef = np.maximum(coef, 0.0)
 
 

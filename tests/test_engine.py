@@ -63,6 +63,7 @@ def run_turns(engine: Engine, cids: list[str], turns: int, seconds: float = 0.4)
 
 def make(model, tok, mode: str = "radix", **kw) -> Engine:
     kw.setdefault("max_context", 512)
+    kw.setdefault("calibration_ticks", 0)
     cfg = EngineConfig(cache_mode=mode, num_pages=kw.pop("num_pages", 400), max_reply_frames=10, **kw)
     return Engine(model, tok, cfg)
 
@@ -136,7 +137,7 @@ class SimClock:
 
 def test_admission_refuses_and_admitted_duplex_keep_deadlines(model, tok) -> None:
     clock = SimClock()
-    engine = Engine(model, tok, EngineConfig(num_pages=2000, max_conversations=12), clock=clock)
+    engine = Engine(model, tok, EngineConfig(num_pages=2000, max_conversations=12, calibration_ticks=0), clock=clock)
     real_forward = engine._forward
 
     def costly_forward(work):  # a simulated machine: 1 ms + 2 ms per decode step + 0.05 ms per prefill step

@@ -129,3 +129,15 @@ def test_cpu_decode_kernel_equals_reference(lens, page_size, heads, window) -> N
     want = reference.paged_attention(q, k_cache, v_cache, page_table, cu, seqlens_k, True, window)
     got = cpu_attention.paged_decode(q, k_cache, v_cache, page_table, seqlens_k, window, None)
     assert (got - want).abs().max() <= 1e-5
+
+
+def test_reference_reuses_buffers_in_and_out_of_inference_mode() -> None:
+    """The reused gather buffers must not leak inference tensors into autograd-mode calls (and back)."""
+    k_cache, v_cache, page_table, _ = build([(7, 2)], 4, 2, 8, seed=1)
+    args = (torch.randn(2, 4, 8), k_cache, v_cache, page_table, torch.tensor([0, 2]), torch.tensor([9]))
+    with torch.inference_mode():
+        a = reference.paged_attention(*args)
+    b = reference.paged_attention(*args)
+    with torch.inference_mode():
+        c = reference.paged_attention(*args)
+    assert torch.equal(a, b) and torch.equal(b, c)

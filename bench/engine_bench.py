@@ -1,0 +1,204 @@
+"""Engine benchmark: a duplex sweep in real time, this engine beside a loop over transformers' LlamaModel.
+
+    s2s bench engine [--quick] [--json PATH] [--plot PATH]
+
+In-process, no sockets. For each concurrency N, N duplex conversations ask to open one every 3 ticks; each admitted
+one streams espeak-ng speech, one 320-sample frame per 13.33 ms tick, for the run's length, and reads its audio back.
+The driver paces ticks to the wall clock, as the engine thread does. Both systems are `s2s.Engine` with the same
+codec path, scheduler, sampling and admission control (calibrated on their own tick times); they differ only in the
+model step:
+- engine: one batched `S2SModel.forward_paged` over all conversations, K/V in radix-cache pages;
+- transformers loop: for each conversation, `LlamaModel` (sdpa) with its own `DynamicCache`, our embeddings and
+  heads around it (what a server built on transformers does without a batching engine).
+Same seeded weights (small preset). A deadline miss is an output frame later than its playback time plus the jitter
+buffer (80 ms).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache, LlamaModel
+
+from bench.common import environment, parser, peak_rss_bytes, percentiles, print_table, write_json
+from codec import EncodecTokenizer
+from s2s import ModelConfig, S2SModel, SamplingParams
+from s2s.engine import FRAME_S, AudioEvent, Engine, EngineConfig, Refused
+from server.speech import speech, synthesize
+
+SENTENCES = [
+    "Hello, can you hear me? I would like to book a table for two tonight.",
+    "What is the weather going to be like tomorrow morning in the city?",
+    "Please tell me a short story about a robot who learns to sing.",
+    "I think the meeting should move to Thursday afternoon at three.",
+]
+
+
+class TransformersLoop(Engine):
+    """The same engine with its model step replaced by a per-conversation transformers loop."""
+
+    def __init__(self, model: S2SModel, tok: EncodecTokenizer, config: EngineConfig):
+        super().__init__(model, tok, config)
+        self.llama = LlamaModel(model.config.to_llama_config()).eval()
+        self.llama.config._attn_implementation = "sdpa"
+        self.llama.load_state_dict(model.backbone.state_dict(), strict=False)
+        self.hf_caches: dict[str, DynamicCache] = {}
+
+    def _forward(self, work) -> None:
+        for w in work:
+            conv = w.conv
+            cache = self.hf_caches.setdefault(conv.id, DynamicCache(config=self.llama.config))
+            if cache.get_seq_length() != conv.computed:
+                cache.crop(conv.computed)
+            x = self.model.embed(torch.from_numpy(w.tokens))[None]
+            pos = torch.arange(conv.computed, conv.computed + len(w.tokens))[None]
+            hidden = self.llama(inputs_embeds=x, past_key_values=cache, position_ids=pos, use_cache=True)
+            conv.computed += len(w.tokens)
+            conv.last_logits = self.model.logits(hidden.last_hidden_state[0, -1])
+
+    def close(self, cid: str) -> None:
+        self.hf_caches.pop(cid, None)
+        super().close(cid)
+
+
+def clips() -> list[np.ndarray]:
+    try:
+        return [synthesize(s) for s in SENTENCES]
+    except RuntimeError:
+        return [speech()[0]]
+
+
+def run(engine: Engine, n: int, seconds: float, voices: list[np.ndarray]) -> dict:
+    """N conversations ask to open, one every 3 ticks; a refused one asks again every 10 ticks. Audio reaches the
+    engine by the wall clock (a frame per 13.33 ms per conversation), whatever the engine's pace."""
+    tick = engine.cfg.tick_s
+    asks = {i: 3 * i for i in range(n)}  # conversation -> tick of its next attempt
+    total = int(seconds / tick) + 3 * n
+    live: dict[str, tuple[np.ndarray, float]] = {}  # cid -> (clip, wall time it opened)
+    sent: dict[str, int] = {}
+    refused = frames_out = 0
+    tick_times = []
+    t0 = time.perf_counter()
+    next_tick = t0
+    for k in range(total):
+        for i, at in list(asks.items()):
+            if at != k:
+                continue
+            try:
+                cid = engine.open("duplex", sampling=SamplingParams(temperature=0.8, top_k=50, seed=i))
+                live[cid] = (voices[i % len(voices)], time.perf_counter())
+                sent[cid] = 0
+                del asks[i]
+            except Refused:
+                refused += 1
+                asks[i] = k + 10
+        now = time.perf_counter()
+        for cid, (clip, opened) in live.items():
+            due = int((now - opened) / tick) + 1
+            if due > sent[cid]:
+                a, b = sent[cid] * 320 % len(clip), due * 320 % len(clip)
+                chunk = clip[a:b] if b > a else np.concatenate([clip[a:], clip[:b]])
+                engine.push_audio(cid, chunk)
+                sent[cid] = due
+        start = time.perf_counter()
+        engine.step()
+        tick_times.append(time.perf_counter() - start)
+        for cid in live:
+            q = engine.event_queue(cid)
+            while not q.empty():
+                event = q.get()
+                if isinstance(event, AudioEvent):
+                    frames_out += len(event.pcm) // 320
+        next_tick += tick
+        delay = next_tick - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        else:
+            next_tick = time.perf_counter()  # behind: run the next tick at once, as the engine thread does
+    wall = time.perf_counter() - t0
+    for cid in list(live):
+        engine.close(cid)
+    p = percentiles(tick_times, 1000)
+    return {
+        "concurrency": n,
+        "admitted": len(live),
+        "refusals": refused,
+        "tick_ms_p50": p["p50"],
+        "tick_ms_p95": p["p95"],
+        "tick_ms_p99": p["p99"],
+        "rtf_mean": float(np.mean(tick_times) / tick),
+        "throughput_x_realtime": frames_out * FRAME_S / wall,
+        "deadline_misses": engine.stats.deadline_misses,
+        "seconds": seconds,
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
+
+
+def plot(rows: list[dict], path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for system in sorted({r["system"] for r in rows}):
+        pts = sorted(
+            (r["concurrency"], r["throughput_x_realtime"], r["tick_ms_p50"]) for r in rows if r["system"] == system
+        )
+        axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+        axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=system)
+    axes[0].set_ylabel("throughput (x real time, all conversations)")
+    axes[1].set_ylabel("tick p50 (ms)")
+    axes[1].axhline(FRAME_S * 1000, color="k", ls="--", lw=1, label="frame budget")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("conversations asking to open")
+        ax.legend(fontsize=8)
+    fig.suptitle("Duplex sweep, small preset, CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser("engine", __doc__.splitlines()[0]).parse_args(argv)
+    levels, seconds = ([1, 4], 1.5) if args.quick else ([1, 2, 4, 8, 16, 32], 4.0)
+    tok = EncodecTokenizer.from_pretrained()
+    model = S2SModel.from_seed(ModelConfig.preset("small", num_codebooks=tok.num_codebooks), seed=0)
+    voices = clips()
+    rows = []
+    grid = [(n, s) for n in levels for s in ("engine", "transformers loop")]
+    for n, system in tqdm(grid, desc="engine sweep", file=sys.stderr):
+        cfg = EngineConfig(
+            cache_mode="radix" if system == "engine" else "paged", num_pages=8192, max_conversations=max(levels)
+        )
+        engine = Engine(model, tok, cfg) if system == "engine" else TransformersLoop(model, tok, cfg)
+        rows.append({"system": system, "preset": "small", **run(engine, n, seconds, voices)})
+    tables = print_table(
+        "Duplex sweep: this engine vs a transformers loop (same weights, same codec path)",
+        rows,
+        [
+            ("system", "system"),
+            ("concurrency", "asked"),
+            ("admitted", "admitted"),
+            ("refusals", "refused"),
+            ("tick_ms_p50", "tick p50 ms"),
+            ("tick_ms_p95", "tick p95 ms"),
+            ("rtf_mean", "RTF mean"),
+            ("throughput_x_realtime", "throughput x RT"),
+            ("deadline_misses", "deadline misses"),
+            ("peak_rss_bytes", "peak RSS B"),
+        ],
+    )
+    env = {**environment(), "quick": args.quick}
+    write_json(args.json, [{**env, **r} for r in rows])
+    plot(rows, args.plot)
+    args.plot.with_suffix(".md").write_text("\n\n".join(tables) + "\n")
+    print(f"plot: {args.plot}; markdown table: {args.plot.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
