@@ -46,11 +46,15 @@ class TransformersLoop(Engine):
     """The same engine with its model step replaced by a per-conversation transformers loop."""
 
     def __init__(self, model: S2SModel, tok: EncodecTokenizer, config: EngineConfig):
-        super().__init__(model, tok, config)
         self.llama = LlamaModel(model.config.to_llama_config()).eval()
         self.llama.config._attn_implementation = "sdpa"
         self.llama.load_state_dict(model.backbone.state_dict(), strict=False)
         self.hf_caches: dict[str, DynamicCache] = {}
+        super().__init__(model, tok, config)  # calibrates, so the loop must exist first
+
+    def _detach(self, conv) -> None:
+        self.hf_caches.pop(conv.id, None)
+        super()._detach(conv)
 
     def _forward(self, work) -> None:
         for w in work:
@@ -64,10 +68,6 @@ class TransformersLoop(Engine):
             conv.computed += len(w.tokens)
             conv.last_logits = self.model.logits(hidden.last_hidden_state[0, -1])
 
-    def close(self, cid: str) -> None:
-        self.hf_caches.pop(cid, None)
-        super().close(cid)
-
 
 def clips() -> list[np.ndarray]:
     try:
@@ -80,6 +80,7 @@ def run(engine: Engine, n: int, seconds: float, voices: list[np.ndarray]) -> dic
     """N conversations ask to open, one every 3 ticks; a refused one asks again every 10 ticks. Audio reaches the
     engine by the wall clock (a frame per 13.33 ms per conversation), whatever the engine's pace."""
     tick = engine.cfg.tick_s
+    frame = tick / engine.cfg.frames_per_tick
     asks = {i: 3 * i for i in range(n)}  # conversation -> tick of its next attempt
     total = int(seconds / tick) + 3 * n
     live: dict[str, tuple[np.ndarray, float]] = {}  # cid -> (clip, wall time it opened)
@@ -102,7 +103,7 @@ def run(engine: Engine, n: int, seconds: float, voices: list[np.ndarray]) -> dic
                 asks[i] = k + 10
         now = time.perf_counter()
         for cid, (clip, opened) in live.items():
-            due = int((now - opened) / tick) + 1
+            due = int((now - opened) / frame) + 1
             if due > sent[cid]:
                 a, b = sent[cid] * 320 % len(clip), due * 320 % len(clip)
                 chunk = clip[a:b] if b > a else np.concatenate([clip[a:], clip[:b]])
@@ -164,7 +165,9 @@ def plot(rows: list[dict], path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser("engine", __doc__.splitlines()[0]).parse_args(argv)
+    p = parser("engine", __doc__.splitlines()[0])
+    p.add_argument("--frames-per-tick", type=int, default=4, help="duplex frames per tick (codec chunk length)")
+    args = p.parse_args(argv)
     levels, seconds = ([1, 4], 1.5) if args.quick else ([1, 2, 4, 8, 16, 32], 4.0)
     tok = EncodecTokenizer.from_pretrained()
     model = S2SModel.from_seed(ModelConfig.preset("small", num_codebooks=tok.num_codebooks), seed=0)
@@ -173,10 +176,14 @@ def main(argv: list[str] | None = None) -> None:
     grid = [(n, s) for n in levels for s in ("engine", "transformers loop")]
     for n, system in tqdm(grid, desc="engine sweep", file=sys.stderr):
         cfg = EngineConfig(
-            cache_mode="radix" if system == "engine" else "paged", num_pages=8192, max_conversations=max(levels)
+            cache_mode="radix" if system == "engine" else "paged",
+            num_pages=8192,
+            max_conversations=max(levels),
+            frames_per_tick=args.frames_per_tick,
         )
         engine = Engine(model, tok, cfg) if system == "engine" else TransformersLoop(model, tok, cfg)
-        rows.append({"system": system, "preset": "small", **run(engine, n, seconds, voices)})
+        row = run(engine, n, seconds, voices)
+        rows.append({"system": system, "preset": "small", "frames_per_tick": args.frames_per_tick, **row})
     tables = print_table(
         "Duplex sweep: this engine vs a transformers loop (same weights, same codec path)",
         rows,

@@ -62,6 +62,8 @@ class Conversation:
         self.opened_at = now
         self.first_frame_at: float | None = None  # when the first user frame reached the engine (deadlines)
         self.prompt_frames = 0
+        self.cached_at_open = 0  # steps the prefix cache gave back when it opened
+        self.deadline_misses = 0
 
     def snapshot(self) -> dict:
         """What a resumed conversation needs: both streams, the turns, the prompt length."""

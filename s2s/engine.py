@@ -45,13 +45,21 @@ class EngineConfig:
     num_pages: int | None = 4096  # used when kv_budget_bytes is None
     max_conversations: int = 32
     max_context: int = 4096  # steps; naive mode reserves this much per conversation
-    tick_s: float = FRAME_S
+    frames_per_tick: int = 1  # duplex steps per conversation per tick: the codec works on chunks this long
     prefill_budget: int = 256  # prefill steps per tick, all conversations together
     jitter_buffer_s: float = 0.08
     max_reply_frames: int = 750
     session_ttl_s: float = 300.0  # a closed conversation can be resumed by id this long
-    admission_headroom: float = 0.8  # admit while the predicted tick time stays under this share of tick_s
+    admission_headroom: float = 0.75  # admit while the predicted tick time stays under this share of tick_s
     calibration_ticks: int = 16  # ticks run at start on 1, 2 and 4 silent duplex conversations to seed the cost model
+
+    def __post_init__(self) -> None:
+        if self.frames_per_tick < 1:
+            raise ValueError(f"frames_per_tick must be >= 1, got {self.frames_per_tick}")
+
+    @property
+    def tick_s(self) -> float:
+        return self.frames_per_tick * FRAME_S
 
 
 @dataclass
@@ -130,7 +138,7 @@ class Engine:
         for n in (1, 2, 4):
             if n > self.cfg.max_conversations or not self.cfg.calibration_ticks:
                 break
-            cids = [self.open("duplex", sampling=SamplingParams(seed=i), session_id=f"_calibrate{i}") for i in range(n)]
+            cids = [self.open("duplex", sampling=SamplingParams(seed=i), admit=False) for i in range(n)]
             for _ in range(self.cfg.calibration_ticks):
                 for cid in cids:
                     self.push_audio(cid, silence)
@@ -149,16 +157,19 @@ class Engine:
         sampling: SamplingParams | None = None,
         session_id: str | None = None,
         resume: bool = False,
+        *,
+        admit: bool = True,
     ) -> str:
         """Admit a conversation or raise `Refused` with the reason. `prompt`: voice-prompt codes `[K, P]`.
 
         `resume=True` reopens the closed session `session_id` (within `session_ttl_s`) with its whole context; the
-        prefix cache gives back whatever of it is still cached."""
+        prefix cache gives back whatever of it is still cached. `admit=False` skips admission control (the
+        engine's own calibration only)."""
         with self._lock:
             self._forget_expired()
             if resume and session_id not in self._closed:
                 raise KeyError(f"no closed session {session_id!r} to resume (never opened, or older than the TTL)")
-            reason = self._admission_problem(mode)
+            reason = self._admission_problem(mode) if admit else None
             if reason:
                 self.stats.refused += 1
                 raise Refused(reason)
@@ -253,6 +264,25 @@ class Engine:
         for cid in [c for c, (_, t) in self._closed.items() if now - t > self.cfg.session_ttl_s]:
             del self._closed[cid]
 
+    def conversation_stats(self) -> list[dict]:
+        """Per live conversation, for the server's /metrics."""
+        with self._lock:
+            return [
+                {
+                    "session": c.id,
+                    "mode": c.mode,
+                    "phase": c.phase.value,
+                    "turn": c.turns[-1].id if c.turns else 0,
+                    "steps": c.computed,
+                    "pages": len(c.pages),
+                    "own_pages": len(c.own_pages),
+                    "cached_steps_at_open": c.cached_at_open,
+                    "frames_out": c.emitted,
+                    "deadline_misses": c.deadline_misses,
+                }
+                for c in self.convs.values()
+            ]
+
     def event_queue(self, cid: str) -> queue.Queue:
         return self.events[cid]
 
@@ -287,17 +317,20 @@ class Engine:
             start = self.clock()
             self._encode()
             self._start_replies()
-            work = self.scheduler.pick(list(self.convs.values()), start, self._deadline)
-            work = self._reserve_pages(work)
-            if work:
+            decode_steps = prefill_steps = 0
+            for i in range(self.cfg.frames_per_tick):  # each round: one step of every due conversation
+                work = self.scheduler.pick(list(self.convs.values()), start, self._deadline, prefill=i == 0)
+                work = self._reserve_pages(work)
+                if not work:
+                    break
                 self._forward(work)
                 self._sample([w.conv for w in work])
-            self._advance_replies()
+                self._advance_replies()
+                decode_steps += sum(1 for w in work if w.decode)
+                prefill_steps += sum(len(w.tokens) for w in work if not w.decode)
             self._decode_audio()
             self._finish_replies()
             elapsed = self.clock() - start
-            decode_steps = sum(1 for w in work if w.decode)
-            prefill_steps = sum(len(w.tokens) for w in work if not w.decode)
             # the whole tick, codec included: that is what must fit the frame budget
             self.cost.observe(decode_steps, prefill_steps, elapsed)
             self.stats.record_tick(elapsed, decode_steps, prefill_steps, len(self.convs), self.cache.stats())
@@ -337,6 +370,7 @@ class Engine:
             conv.emitted = turn.reply_start
             self._fill_reply_silence(conv)
             if conv.computed == turn.reply_start and conv.last_logits is not None:
+                turn.times["prefill_done"] = turn.times["reply_start"]
                 self._sample([conv])  # the user's last step is already computed: sample at once
 
     def _fill_reply_silence(self, conv: Conversation) -> None:
@@ -425,9 +459,13 @@ class Engine:
         )
         tokens = torch.from_numpy(np.concatenate([w.tokens for w in work])).to(self.pool.k[0].device)
         out = self.model.forward_paged(tokens, batch, self.pool.k, self.pool.v)
+        now = self.clock()
         for i, w in enumerate(work):
             w.conv.computed += len(w.tokens)
             w.conv.last_logits = out.logits[i]
+            turn = w.conv.turns[-1] if w.conv.turns else None
+            if turn is not None and turn.reply_start is not None and w.conv.computed >= turn.reply_start:
+                turn.times.setdefault("prefill_done", now)
             if not w.decode and w.conv.step_token(w.conv.computed) is None:
                 self._insert(w.conv, lock=True)  # a prefill finished: later arrivals can share it at once
 
@@ -503,7 +541,7 @@ class Engine:
             self.cache.lock(m.handle)
             conv.handle = m.handle
             conv.pages = list(m.pages)
-            conv.computed = m.cached_steps
+            conv.computed = conv.cached_at_open = m.cached_steps
 
     def _insert(self, conv: Conversation, lock: bool) -> None:
         full = conv.computed // self.cfg.page_size * self.cfg.page_size
@@ -535,7 +573,7 @@ class Engine:
             return f"the engine holds its maximum of {self.cfg.max_conversations} conversations"
         if mode == "duplex":
             duplex = sum(1 for c in self.convs.values() if c.mode == "duplex") + 1
-            predicted = self.cost.predict(duplex, 0)
+            predicted = self.cost.predict(duplex * self.cfg.frames_per_tick, 0)
             budget = self.cfg.tick_s * self.cfg.admission_headroom
             if predicted is not None and predicted > budget:
                 return (

@@ -32,24 +32,27 @@ class Scheduler:
         self.prefill_budget = prefill_budget
         self._waiting_since: dict[str, float] = {}
 
-    def pick(self, convs: list[Conversation], now: float, deadline: Callable[[Conversation], float]) -> list[Work]:
-        decode, prefill = [], []
+    def pick(
+        self, convs: list[Conversation], now: float, deadline: Callable[[Conversation], float], prefill: bool = True
+    ) -> list[Work]:
+        """This round's work; `prefill=False` for the extra rounds of a multi-frame tick (decode steps only)."""
+        decode, waiting = [], []
         for conv in convs:
-            tokens = conv.ready_steps(self.prefill_budget)
+            tokens = conv.ready_steps(self.prefill_budget if prefill else 2)
             if not len(tokens):
                 self._waiting_since.pop(conv.id, None)
                 continue
             if len(tokens) == 1 and conv.wanted_after(1):
                 decode.append(Work(conv, tokens, True))
-            else:
-                prefill.append((conv, tokens))
+            elif prefill:
+                waiting.append((conv, tokens))
         decode.sort(key=lambda w: deadline(w.conv))
         work = list(decode)
-        for conv, _ in prefill:
+        for conv, _ in waiting:
             self._waiting_since.setdefault(conv.id, now)
-        prefill.sort(key=lambda ct: -(ct[0].computed + AGING_STEPS_PER_S * (now - self._waiting_since[ct[0].id])))
+        waiting.sort(key=lambda ct: -(ct[0].computed + AGING_STEPS_PER_S * (now - self._waiting_since[ct[0].id])))
         budget = self.prefill_budget
-        for conv, tokens in prefill:
+        for conv, tokens in waiting:
             if budget <= 0:
                 break
             take = tokens[:budget]

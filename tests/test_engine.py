@@ -163,6 +163,7 @@ def test_admission_refuses_and_admitted_duplex_keep_deadlines(model, tok) -> Non
     assert refused > 0, "the burst should have hit the frame budget"
     assert len(live) >= 3
     assert engine.stats.deadline_misses == 0
+    assert all(c["deadline_misses"] == 0 for c in engine.conversation_stats())
     # with 12 rows max and 2 ms a step, at most ~4 duplex fit the 13.3 ms x 0.8 budget
     assert len(live) <= 5
 
@@ -231,6 +232,9 @@ def test_turn_ids_through_barge_in(model, tok) -> None:
     assert audio and all(e.turn == turn for turn, e in audio)
     assert [t.id for t in engine.convs[cid].turns] == [0, 1, 2]
     assert all("interrupted" in t.times for t in engine.convs[cid].turns[:2])
+    stages = engine.convs[cid].turns[2].times
+    order = ["end_of_turn", "reply_start", "prefill_done", "first_step", "first_audio_out"]
+    assert [stages[k] for k in order] == sorted(stages[k] for k in order), stages
     assert all(isinstance(e, AudioEvent | MetaEvent) for _, e in seen)
 
 
