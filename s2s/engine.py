@@ -119,6 +119,7 @@ class Engine:
         self.pending_audio: dict[str, list[np.ndarray]] = {}
         self.pending_end: set[str] = set()
         self._closed: dict[str, tuple[dict, float]] = {}  # closed sessions' context, for resume within the TTL
+        self.voices: dict[str, np.ndarray] = {}  # named voice prompts (codes [K, P])
         self.scheduler = Scheduler(self.cfg.prefill_budget)
         self.cost = CostModel()
         self.stats = EngineStats()
@@ -130,6 +131,15 @@ class Engine:
         self._stop = threading.Event()
         self._lock = threading.RLock()  # guards conversation state against calls from other threads
         self._calibrate()
+
+    def add_voice(self, name: str, codes: np.ndarray | torch.Tensor) -> None:
+        """Register a voice prompt under `name`; conversations opened with `prompt=name` share its prefix."""
+        codes = np.asarray(torch.as_tensor(codes).cpu(), dtype=np.int64)
+        if codes.ndim != 2 or codes.shape[0] != self.tok.num_codebooks or codes.shape[1] == 0:
+            raise ValueError(f"voice codes must be [K={self.tok.num_codebooks}, P >= 1], got {codes.shape}")
+        if codes.min() < 0 or codes.max() >= self.tok.codebook_size:
+            raise ValueError(f"voice codes must lie in [0, {self.tok.codebook_size})")
+        self.voices[name] = codes
 
     def _calibrate(self) -> None:
         """Seed the cost model with real ticks (codec and model) on silent duplex conversations, like vLLM's
@@ -153,20 +163,25 @@ class Engine:
     def open(
         self,
         mode: str = "duplex",
-        prompt: np.ndarray | torch.Tensor | None = None,
+        prompt: np.ndarray | torch.Tensor | str | None = None,
         sampling: SamplingParams | None = None,
         session_id: str | None = None,
         resume: bool = False,
         *,
         admit: bool = True,
     ) -> str:
-        """Admit a conversation or raise `Refused` with the reason. `prompt`: voice-prompt codes `[K, P]`.
+        """Admit a conversation or raise `Refused` with the reason. `prompt`: voice-prompt codes `[K, P]`, or the
+        name of one registered with `add_voice`.
 
         `resume=True` reopens the closed session `session_id` (within `session_ttl_s`) with its whole context; the
         prefix cache gives back whatever of it is still cached. `admit=False` skips admission control (the
         engine's own calibration only)."""
         with self._lock:
             self._forget_expired()
+            if isinstance(prompt, str):
+                if prompt not in self.voices:
+                    raise KeyError(f"no voice prompt named {prompt!r}; known: {sorted(self.voices)}")
+                prompt = self.voices[prompt]
             if resume and session_id not in self._closed:
                 raise KeyError(f"no closed session {session_id!r} to resume (never opened, or older than the TTL)")
             reason = self._admission_problem(mode) if admit else None
@@ -232,6 +247,7 @@ class Engine:
             self.decoder.reset(conv.row)
             conv.phase = Phase.LISTEN
             conv.emitted = cut
+            self._drop_queued_audio(conv, turn.id)
 
     def close(self, cid: str) -> None:
         """End the conversation: its context goes into the prefix cache, its private pages are freed."""
@@ -258,6 +274,20 @@ class Engine:
             turn.reply_start = turn.reply_end = None
             turn.times = {"regenerate": self.clock()}
             self.pending_end.add(cid)
+
+    def _drop_queued_audio(self, conv: Conversation, turn_id: int) -> None:
+        """Take the cancelled turn's audio the caller has not read yet out of its queue; keep everything else."""
+        q = self.events[conv.id]
+        kept = []
+        while True:
+            try:
+                event = q.get_nowait()
+            except queue.Empty:
+                break
+            if not (isinstance(event, AudioEvent) and event.turn == turn_id):
+                kept.append(event)
+        for event in kept:
+            q.put(event)
 
     def _forget_expired(self) -> None:
         now = self.clock()

@@ -115,13 +115,18 @@ def test_prefix_cache_reuses_the_shared_prompt(model, tok) -> None:
     hits = {}
     for mode in ("paged", "exact", "radix"):
         engine = make(model, tok, mode)
-        first = engine.open("turn", prompt=prompt, sampling=GREEDY)
+        engine.add_voice("narrator", prompt)
+        first = engine.open("turn", prompt="narrator", sampling=GREEDY)
         for _ in range(3):
             engine.step()
         engine.close(first)
-        engine.open("turn", prompt=prompt, sampling=GREEDY)
+        engine.open("turn", prompt="narrator", sampling=GREEDY)
         hits[mode] = engine.cache.stats().hit_steps
         engine.cache.check()
+        with pytest.raises(KeyError, match="no voice prompt named 'nobody'"):
+            engine.open("turn", prompt="nobody")
+        with pytest.raises(ValueError, match="voice codes"):
+            engine.add_voice("bad", np.zeros((3, 4), dtype=np.int64))
     assert hits["paged"] == 0 and hits["radix"] >= hits["exact"] >= 64
 
 
@@ -194,7 +199,9 @@ def test_barge_in_keeps_only_played_frames(model, tok) -> None:
     turn = conv.turns[-1]
     played = 7
     kept = conv.model[turn.reply_start : turn.reply_start + played].copy()
+    assert any(isinstance(e, AudioEvent) for e in list(engine.event_queue(cid).queue))
     engine.interrupt(cid, played)
+    assert not any(isinstance(e, AudioEvent) and e.turn == turn.id for e in list(engine.event_queue(cid).queue))
     cut = turn.reply_start + played
     assert conv.phase is Phase.LISTEN and turn.reply_end == cut
     assert conv.computed <= cut and conv.user_frames == cut
