@@ -154,7 +154,8 @@ def plot(rows: list[dict], path) -> None:
         axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=system)
     axes[0].set_ylabel("throughput (x real time, all conversations)")
     axes[1].set_ylabel("tick p50 (ms)")
-    axes[1].axhline(FRAME_S * 1000, color="k", ls="--", lw=1, label="frame budget")
+    budget = rows[0]["frames_per_tick"] * FRAME_S * 1000
+    axes[1].axhline(budget, color="k", ls="--", lw=1, label=f"tick budget ({budget:.1f} ms)")
     for ax in axes:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("conversations asking to open")
