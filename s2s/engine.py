@@ -231,7 +231,8 @@ class Engine:
             if conv.mode != "turn":
                 raise ValueError("end_turn is for turn mode")
             self.pending_end.add(cid)
-            conv.turns[-1].times.setdefault("end_of_turn", self.clock()) if conv.turns else None
+            if conv.turns:
+                conv.turns[-1].times.setdefault("end_of_turn", self.clock())
 
     def interrupt(self, cid: str, played_frames: int) -> None:
         """Barge-in: cancel the reply and keep in the context only the `played_frames` frames the user heard."""
@@ -447,10 +448,11 @@ class Engine:
             conv.last_logits = None
         keep = math.ceil(conv.computed / self.cfg.page_size)
         if self.cache.pages_on_open(self.cfg.max_context) == 0 and len(conv.pages) > keep:
-            dropped = conv.pages[keep:]
-            own = [p for p in dropped if p in set(conv.own_pages)]
+            owned = set(conv.own_pages)
+            own = [p for p in conv.pages[keep:] if p in owned]
             conv.pages = conv.pages[:keep]
-            conv.own_pages = [p for p in conv.own_pages if p not in set(own)]
+            released = set(own)
+            conv.own_pages = [p for p in conv.own_pages if p not in released]
             self.cache.release(own)
 
     def _deadline(self, conv: Conversation) -> float:
@@ -466,15 +468,16 @@ class Engine:
             conv = w.conv
             need = math.ceil((conv.computed + len(w.tokens)) / self.cfg.page_size) - len(conv.pages)
             if need > 0:
-                spare = [p for p in conv.own_pages if p not in set(conv.pages)]  # naive: reserved up front
-                take, spare = spare[:need], spare[need:]
+                in_table = set(conv.pages)
+                take = [p for p in conv.own_pages if p not in in_table][:need]  # naive: reserved up front
                 try:
                     new = take + (self.cache.alloc(need - len(take)) if need > len(take) else [])
                 except OutOfPages:
                     self.stats.out_of_pages += 1
                     continue  # this conversation waits a tick; nobody else's pages are touched
                 conv.pages += new
-                conv.own_pages += [p for p in new if p not in set(conv.own_pages)]
+                owned = set(conv.own_pages)
+                conv.own_pages += [p for p in new if p not in owned]
             kept.append(w)
         return kept
 
