@@ -19,6 +19,7 @@ import math
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -116,7 +117,7 @@ class Engine:
         self.free_rows = list(range(n - 1, -1, -1))
         self.convs: dict[str, Conversation] = {}
         self.events: dict[str, queue.Queue] = {}
-        self.pending_audio: dict[str, list[np.ndarray]] = {}
+        self.pending_audio: dict[str, deque[np.ndarray]] = {}  # appended without the lock, drained by the tick
         self.pending_end: set[str] = set()
         self._closed: dict[str, tuple[dict, float]] = {}  # closed sessions' context, for resume within the TTL
         self.voices: dict[str, np.ndarray] = {}  # named voice prompts (codes [K, P])
@@ -213,16 +214,18 @@ class Engine:
             self.decoder.reset(row)
             self.convs[cid] = conv
             self.events[cid] = queue.Queue()
-            self.pending_audio[cid] = []
+            self.pending_audio[cid] = deque()
             if not conv.turns and (mode == "duplex" or conv.prompt_frames):
                 conv.turns.append(Turn(0, conv.prompt_frames))
             return cid
 
     def push_audio(self, cid: str, pcm: np.ndarray) -> None:
-        """User PCM (float32, 24 kHz, any length); encoded in the next tick with everyone else's."""
-        with self._lock:
-            self._conv(cid)
-            self.pending_audio[cid].append(np.asarray(pcm, dtype=np.float32).reshape(-1))
+        """User PCM (float32, 24 kHz, any length); encoded in the next tick with everyone else's. Does not wait for
+        the tick in progress (no lock: a deque append is atomic)."""
+        parts = self.pending_audio.get(cid)
+        if parts is None:
+            raise KeyError(f"no open session {cid!r}")
+        parts.append(np.asarray(pcm, dtype=np.float32).reshape(-1))
 
     def end_turn(self, cid: str) -> None:
         """Turn mode: the user finished speaking; the reply starts once their audio is in."""
@@ -369,12 +372,14 @@ class Engine:
     def _encode(self) -> None:
         rows, chunks, owners = [], [], []
         for cid, parts in self.pending_audio.items():
-            if parts:
+            taken = []
+            while parts:
+                taken.append(parts.popleft())
+            if taken:
                 conv = self.convs[cid]
                 rows.append(conv.row)
-                chunks.append(np.concatenate(parts))
+                chunks.append(np.concatenate(taken))
                 owners.append(conv)
-                parts.clear()
         if not rows:
             return
         now = self.clock()

@@ -1,0 +1,70 @@
+"""The wire protocol: Moshi's framing (one kind byte, then the payload), shared by server and client."""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+
+PROTOCOL_VERSION = 0
+MODEL_VERSION = 0
+
+
+class Kind(enum.IntEnum):
+    HANDSHAKE = 0
+    AUDIO = 1
+    TEXT = 2
+    CONTROL = 3
+    METADATA = 4
+    ERROR = 5
+    PING = 6
+
+
+class Control(enum.IntEnum):
+    START = 0
+    END_TURN = 1
+    PAUSE = 2
+    RESTART = 3
+
+
+class ProtocolError(ValueError):
+    """A message that breaks the protocol; the text is what the client is told."""
+
+
+def handshake() -> bytes:
+    return bytes([Kind.HANDSHAKE]) + struct.pack("<II", PROTOCOL_VERSION, MODEL_VERSION)
+
+
+def audio(payload: bytes) -> bytes:
+    return bytes([Kind.AUDIO]) + payload
+
+
+def metadata(data: dict) -> bytes:
+    return bytes([Kind.METADATA]) + json.dumps(data).encode()
+
+
+def error(message: str) -> bytes:
+    return bytes([Kind.ERROR]) + message.encode()
+
+
+def control(code: Control) -> bytes:
+    return bytes([Kind.CONTROL, code])
+
+
+def parse(message: bytes | str) -> tuple[Kind | None, bytes]:
+    """(kind, payload); kind None for an unknown kind byte (to be discarded). Raises ProtocolError when malformed."""
+    if isinstance(message, str):
+        raise ProtocolError("text websocket frames are not part of the protocol: send binary messages")
+    if not message:
+        raise ProtocolError("empty message: every message starts with a kind byte")
+    try:
+        kind = Kind(message[0])
+    except ValueError:
+        return None, b""
+    payload = bytes(message[1:])
+    if kind is Kind.CONTROL:
+        if len(payload) != 1 or payload[0] not in tuple(Control):
+            raise ProtocolError(f"a control message holds one byte in 0..3, got {payload[:8]!r}")
+    if kind is Kind.HANDSHAKE and len(payload) != 8:
+        raise ProtocolError("a handshake holds two u32 values")
+    return kind, payload
