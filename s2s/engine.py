@@ -440,7 +440,8 @@ class Engine:
             self._rewind(conv, conv.computed)
             conv.phase = Phase.LISTEN
             self._insert(conv, lock=True)
-            self._emit_meta(conv, {"event": "reply_done", "turn": turn.id, "frames": turn.reply_end - turn.reply_start})
+            frames = int(turn.reply_end - turn.reply_start)
+            self._emit_meta(conv, {"event": "reply_done", "turn": turn.id, "frames": frames, "times": dict(turn.times)})
 
     def _rewind(self, conv: Conversation, frame: int) -> None:
         """Forget everything from `frame` on (both streams); K/V of later steps are dropped."""

@@ -40,7 +40,9 @@ def audio(payload: bytes) -> bytes:
 
 
 def metadata(data: dict) -> bytes:
-    return bytes([Kind.METADATA]) + json.dumps(data).encode()
+    return (
+        bytes([Kind.METADATA]) + json.dumps(data, default=lambda o: o.item() if hasattr(o, "item") else str(o)).encode()
+    )
 
 
 def error(message: str) -> bytes:

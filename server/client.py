@@ -1,0 +1,87 @@
+"""`s2s client`: stream a WAV file to a server in real time (or faster), save the reply, print per-turn latency."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import sphn
+from websockets.asyncio.client import connect
+
+from server import protocol
+from server.app import metadata_of
+from server.protocol import Control, Kind
+
+SAMPLE_RATE = 24000
+BLOCK = 1920  # 80 ms, as Moshi's client sends
+
+
+@dataclass
+class ClientResult:
+    reply: np.ndarray  # everything the server sent back, float32 24 kHz
+    handshake: bool = False
+    errors: list[str] = field(default_factory=list)
+    metadata: list[dict] = field(default_factory=list)
+    turn_latency_s: float | None = None  # true end of speech to the first reply audio after it
+
+
+async def talk(
+    url: str,
+    speech: np.ndarray,
+    mode: str = "turn",
+    codec: str = "pcm16",
+    speed: float = 1.0,
+    listen_s: float = 3.0,
+    **params: str,
+) -> ClientResult:
+    """Send `speech` in 80 ms blocks at `speed` x real time, then (turn mode) an end of turn; collect the reply for
+    `listen_s` seconds after the end of speech."""
+    query = "&".join(f"{k}={v}" for k, v in {"mode": mode, "codec": codec, **params}.items())
+    result = ClientResult(np.zeros(0, dtype=np.float32))
+    chunks: list[np.ndarray] = []
+    opus_in = sphn.OpusStreamReader(SAMPLE_RATE) if codec == "opus" else None
+    opus_out = sphn.OpusStreamWriter(SAMPLE_RATE) if codec == "opus" else None
+    end_of_speech: float | None = None
+
+    async with connect(f"{url}/api/chat?{query}", max_size=None) as ws:
+
+        async def receive() -> None:
+            async for message in ws:
+                kind = message[0]
+                if kind == Kind.HANDSHAKE:
+                    result.handshake = True
+                elif kind == Kind.AUDIO:
+                    pcm = (
+                        opus_in.append_bytes(message[1:])
+                        if opus_in
+                        else (np.frombuffer(message[1:], dtype="<i2").astype(np.float32) / 32768)
+                    )
+                    if len(pcm):
+                        if end_of_speech is not None and result.turn_latency_s is None and mode == "turn":
+                            result.turn_latency_s = time.monotonic() - end_of_speech
+                        chunks.append(np.asarray(pcm, dtype=np.float32))
+                elif kind == Kind.ERROR:
+                    result.errors.append(message[1:].decode(errors="replace"))
+                elif kind == Kind.METADATA:
+                    result.metadata.append(metadata_of(message))
+
+        reader = asyncio.create_task(receive())
+        start = time.monotonic()
+        for i, a in enumerate(range(0, len(speech), BLOCK)):
+            block = speech[a : a + BLOCK]
+            payload = (
+                opus_out.append_pcm(block) if opus_out else (np.clip(block, -1, 1) * 32767).astype("<i2").tobytes()
+            )
+            if len(payload):
+                await ws.send(protocol.audio(bytes(payload)))
+            await asyncio.sleep(max(0.0, start + (i + 1) * BLOCK / SAMPLE_RATE / speed - time.monotonic()))
+        end_of_speech = time.monotonic()
+        if mode == "turn":
+            await ws.send(protocol.control(Control.END_TURN))
+        await asyncio.sleep(listen_s)
+        await ws.close()
+        await asyncio.wait_for(reader, 5)
+    result.reply = np.concatenate(chunks) if chunks else result.reply
+    return result

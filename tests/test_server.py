@@ -1,0 +1,187 @@
+"""server/: the websocket server end to end on 127.0.0.1, port 0, with the protocol's own client."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import numpy as np
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from codec import EncodecTokenizer
+from s2s import Engine, EngineConfig, ModelConfig, S2SModel
+from server import protocol
+from server.app import ChatServer, ServerOptions
+from server.client import talk
+from server.protocol import Kind
+
+
+@pytest.fixture(scope="module")
+def parts():
+    return S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0), EncodecTokenizer.from_pretrained(seed=0)
+
+
+def speech(seconds: float, seed: int = 0) -> np.ndarray:
+    t = np.arange(int(seconds * 24000)) / 24000
+    rng = np.random.default_rng(seed)
+    return (0.2 * np.sin(2 * np.pi * 180 * t) * (0.5 + 0.5 * rng.random(len(t)))).astype(np.float32)
+
+
+def run_with_server(parts, body, options: ServerOptions | None = None, **engine_kw):
+    """Start an engine and a server on a free port, run `body(url, server)`, stop everything."""
+    model, tok = parts
+    cfg = EngineConfig(num_pages=512, max_context=512, calibration_ticks=0, max_reply_frames=20, **engine_kw)
+
+    async def main():
+        server = ChatServer(Engine(model, tok, cfg), options or ServerOptions(port=0))
+        port = await server.start()
+        try:
+            return await body(f"ws://127.0.0.1:{port}", server)
+        finally:
+            await server.stop()
+
+    return asyncio.run(main())
+
+
+async def http_get(url: str) -> str:
+    """GET from inside the server's own event loop: the blocking call goes to a thread."""
+
+    def get() -> str:
+        with urllib.request.urlopen(url.replace("ws://", "http://"), timeout=5) as r:
+            return r.read().decode()
+
+    return await asyncio.to_thread(get)
+
+
+def metric(text: str, name: str, label: str = "") -> float:
+    for line in text.splitlines():
+        if line.startswith(name + (("{" + label + "}") if label else " ")):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {label} not in /metrics")
+
+
+@pytest.mark.parametrize("codec", ["pcm16", "opus"])
+@pytest.mark.parametrize("mode", ["turn", "duplex"])
+def test_conversation_end_to_end(parts, mode: str, codec: str) -> None:
+    async def body(url, server):
+        return await talk(url, speech(0.6), mode=mode, codec=codec, speed=1.0, listen_s=1.0, seed="1")
+
+    result = run_with_server(parts, body)
+    assert result.handshake and not result.errors
+    assert result.metadata and result.metadata[0]["mode"] == mode
+    assert len(result.reply) >= 10 * 320, "the server sent no audio back"
+    if mode == "turn":
+        assert result.turn_latency_s is not None and result.turn_latency_s < 1.0
+
+
+def test_health_metrics_and_disconnect_mid_reply_leaks_nothing(parts) -> None:
+    async def body(url, server):
+        assert (await http_get(f"{url}/healthz")).strip() == "ok"
+        async with connect(f"{url}/api/chat?mode=turn&codec=pcm16") as ws:
+            await ws.recv()  # handshake
+            pcm = (speech(0.5) * 32767).astype("<i2").tobytes()
+            for a in range(0, len(pcm), 3840):
+                await ws.send(protocol.audio(pcm[a : a + 3840]))
+            await ws.send(protocol.control(protocol.Control.END_TURN))
+            while (await ws.recv())[0] != Kind.AUDIO:  # the reply has started
+                pass
+        for _ in range(100):  # the server notices the drop and closes the conversation
+            text = await http_get(f"{url}/metrics")
+            if metric(text, "s2s_conversations") == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert metric(text, "s2s_conversations") == 0
+        assert metric(text, "s2s_kv_pages", 'state="private"') == 0
+        assert metric(text, "s2s_kv_pages", 'state="cached_locked"') == 0
+        server.engine.cache.check()
+
+    run_with_server(parts, body)
+
+
+def test_bad_messages_never_hurt_a_healthy_conversation(parts) -> None:
+    async def body(url, server):
+        healthy = asyncio.create_task(talk(url, speech(1.5), mode="duplex", codec="pcm16", listen_s=0.5))
+        async with connect(f"{url}/api/chat?codec=opus") as ws:
+            await ws.recv()
+            garbage = [
+                b"",
+                "text frame",
+                b"\x03\x09",
+                b"\x03",
+                b"\x01OggS\x00broken",
+                b"\x01" + bytes(range(256)),
+                b"\x7f unknown kind",
+                b"\x06",
+                b"\x02 hello",
+            ]
+            for message in garbage:
+                await ws.send(message)
+            errors = []
+            try:
+                while True:
+                    message = await asyncio.wait_for(ws.recv(), 0.5)
+                    if message[0] == Kind.ERROR:
+                        errors.append(message[1:].decode())
+            except TimeoutError:
+                pass
+            assert any("empty message" in e for e in errors) and any("control" in e for e in errors)
+            assert any("text websocket" in e for e in errors)
+            await ws.send(protocol.audio(b""))  # still open, still answering
+        result = await healthy
+        assert not result.errors and len(result.reply) > 40 * 320
+        return result
+
+    run_with_server(parts, body)
+
+
+def test_token_origin_and_bad_parameters(parts) -> None:
+    async def body(url, server):
+        with pytest.raises(InvalidStatus) as e:
+            async with connect(f"{url}/api/chat"):
+                pass
+        assert e.value.response.status_code == 401
+        with pytest.raises(InvalidStatus):
+            async with connect(f"{url}/api/chat?token=wrong"):
+                pass
+        with pytest.raises(InvalidStatus) as e:
+            async with connect(f"{url}/api/chat?token=s3cret", origin="http://evil.example"):
+                pass
+        assert e.value.response.status_code == 403
+        async with connect(f"{url}/api/chat?token=s3cret&voice=../../etc/passwd") as ws:
+            message = await ws.recv()
+            assert message[0] == Kind.ERROR and "voice" in message[1:].decode()
+        async with connect(f"{url}/api/chat?token=s3cret&temperature=hot") as ws:
+            assert (await ws.recv())[0] == Kind.ERROR
+        result = await talk(f"{url}", speech(0.3), mode="turn", listen_s=0.5, token="s3cret")
+        assert result.handshake and not result.errors
+
+    options = ServerOptions(port=0, token="s3cret", allowed_origins=["http://127.0.0.1"])
+    run_with_server(parts, body, options)
+
+
+def test_limits(parts) -> None:
+    async def body(url, server):
+        async with connect(f"{url}/api/chat?mode=turn&codec=pcm16") as first:
+            await first.recv()
+            async with connect(f"{url}/api/chat?mode=turn") as second:
+                assert (await second.recv())[0] == Kind.HANDSHAKE
+                message = await second.recv()
+                assert message[0] == Kind.ERROR and "maximum" in message[1:].decode()
+            # faster than real time: told, and throttled
+            pcm = (speech(4.0) * 32767).astype("<i2").tobytes()
+            for a in range(0, len(pcm), 3840):
+                await first.send(protocol.audio(pcm[a : a + 3840]))
+            message = await asyncio.wait_for(first.recv(), 5)
+            while message[0] != Kind.ERROR:
+                message = await asyncio.wait_for(first.recv(), 5)
+            assert "faster than real time" in message[1:].decode()
+            # a message over the size limit closes that connection only
+            await first.send(protocol.audio(b"\x00" * 70000))
+            with pytest.raises(ConnectionClosed):
+                for _ in range(50):
+                    await asyncio.wait_for(first.recv(), 5)
+        assert (await http_get(f"{url}/healthz")).strip() == "ok"
+
+    run_with_server(parts, body, ServerOptions(port=0, max_message_bytes=65536), max_conversations=1)
