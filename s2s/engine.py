@@ -233,6 +233,9 @@ class Engine:
             conv = self._conv(cid)
             if conv.mode != "turn":
                 raise ValueError("end_turn is for turn mode")
+            answered = conv.turns and conv.turns[-1].reply_start is not None and not self.pending_audio[cid]
+            if conv.phase is Phase.REPLY or answered:
+                return  # no new speech since the last reply (a second end of turn, from VAD and the client both)
             self.pending_end.add(cid)
             if conv.turns:
                 conv.turns[-1].times.setdefault("end_of_turn", self.clock())

@@ -30,9 +30,29 @@ from websockets.http11 import Request, Response
 from s2s import AudioEvent, Engine, MetaEvent, Refused, SamplingParams
 from server import protocol
 from server.protocol import Control, Kind, ProtocolError
+from server.vad import Endpointer, VadConfig
 
 log = logging.getLogger("s2s.server")
 SAMPLE_RATE = 24000
+FRAME_S = 320 / SAMPLE_RATE
+
+
+@dataclass
+class _Playback:
+    """What the client has been sent of the current reply, to tell the engine how much was heard at barge-in."""
+
+    turn: int = -1
+    frames: int = 0
+    started: float = 0.0
+
+    def sent(self, turn: int, frames: int) -> None:
+        if turn != self.turn:
+            self.turn, self.frames, self.started = turn, 0, time.monotonic()
+        self.frames += frames
+
+    def played_frames(self) -> int:
+        """Sent frames the client can have played by now (playback runs in real time from the first one)."""
+        return min(self.frames, int((time.monotonic() - self.started) / FRAME_S))
 
 
 @dataclass
@@ -43,6 +63,7 @@ class ServerOptions:
     allowed_origins: list[str] = field(default_factory=list)  # empty: any origin
     max_message_bytes: int = 1 << 20
     realtime_burst_s: float = 2.0  # a client may run this far ahead of real time before it is throttled
+    vad: VadConfig = field(default_factory=VadConfig)  # turn mode endpointing
 
 
 class _EngineCollector:
@@ -163,17 +184,19 @@ class ChatServer:
             await ws.close(1013, "try again later")
             return
         await ws.send(protocol.metadata({"session": cid, "mode": mode, "codec": codec}))
-        sender = asyncio.create_task(self._send_loop(ws, cid, codec))
+        playback = _Playback()
+        sender = asyncio.create_task(self._send_loop(ws, cid, codec, playback))
         try:
-            await self._receive_loop(ws, cid, mode, codec)
+            await self._receive_loop(ws, cid, mode, codec, playback)
         except ConnectionClosed:
             pass
         finally:
             await asyncio.to_thread(self.engine.close, cid)
             await asyncio.wait_for(sender, 5)
 
-    async def _receive_loop(self, ws: ServerConnection, cid: str, mode: str, codec: str) -> None:
+    async def _receive_loop(self, ws: ServerConnection, cid: str, mode: str, codec: str, playback: _Playback) -> None:
         opus = sphn.OpusStreamReader(SAMPLE_RATE) if codec == "opus" else None
+        vad = await asyncio.to_thread(Endpointer, self.options.vad) if mode == "turn" else None
         started = time.monotonic()
         received_s = 0.0
         warned = False
@@ -195,8 +218,14 @@ class ChatServer:
                         await ws.send(protocol.error("sending faster than real time: throttled"))
                         warned = True
                     await asyncio.sleep(ahead)  # back-pressure: stop reading until real time catches up
-                if len(pcm):
-                    self.engine.push_audio(cid, pcm)
+                if not len(pcm):
+                    continue
+                events = await asyncio.to_thread(vad.push, pcm) if vad is not None else []
+                if "speech_start" in events:  # barge-in if a reply is playing (a no-op otherwise), before this audio
+                    await asyncio.to_thread(self.engine.interrupt, cid, playback.played_frames())
+                self.engine.push_audio(cid, pcm)
+                if "end_of_turn" in events:
+                    await asyncio.to_thread(self.engine.end_turn, cid)
             elif kind is Kind.CONTROL and payload[0] == Control.END_TURN:
                 if mode == "turn":
                     await asyncio.to_thread(self.engine.end_turn, cid)
@@ -213,7 +242,7 @@ class ChatServer:
         except Exception:  # sphn raises its own errors on broken streams
             return None
 
-    async def _send_loop(self, ws: ServerConnection, cid: str, codec: str) -> None:
+    async def _send_loop(self, ws: ServerConnection, cid: str, codec: str, playback: _Playback) -> None:
         opus = sphn.OpusStreamWriter(SAMPLE_RATE) if codec == "opus" else None
         events = self.engine.event_queue(cid)
         while True:
@@ -226,6 +255,7 @@ class ChatServer:
                 return
             try:
                 if isinstance(event, AudioEvent):
+                    playback.sent(event.turn, len(event.pcm) // 320)
                     pcm = np.clip(event.pcm, -1, 1)
                     data = opus.append_pcm(pcm) if opus else (pcm * 32767).astype("<i2").tobytes()
                     if len(data):

@@ -162,7 +162,10 @@ async def _demo(args: argparse.Namespace) -> None:
             else "no reply"
         )
         duplex = await talk(url, wav, mode="duplex", codec="opus", listen_s=0.5, seed="2")
-        print(f"duplex mode, Ogg/Opus: {len(duplex.reply) / 24000:.2f} s of audio back while the user spoke")
+        if duplex.handshake and not duplex.errors:
+            print(f"duplex mode, Ogg/Opus: {len(duplex.reply) / 24000:.2f} s of audio back while the user spoke")
+        else:
+            print("duplex mode, Ogg/Opus: the server refused it (this machine cannot keep its frame deadlines now)")
         for r in (turn, duplex):
             for e in r.errors:
                 print(f"server error: {e}")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import sphn
 from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
 
 from server import protocol
 from server.app import metadata_of
@@ -34,10 +35,11 @@ async def talk(
     codec: str = "pcm16",
     speed: float = 1.0,
     listen_s: float = 3.0,
+    end_turn: bool = True,
     **params: str,
 ) -> ClientResult:
-    """Send `speech` in 80 ms blocks at `speed` x real time, then (turn mode) an end of turn; collect the reply for
-    `listen_s` seconds after the end of speech."""
+    """Send `speech` in 80 ms blocks at `speed` x real time, then (turn mode, unless `end_turn=False`, which leaves
+    it to the server's VAD) an end of turn; collect the reply for `listen_s` seconds after the end of speech."""
     query = "&".join(f"{k}={v}" for k, v in {"mode": mode, "codec": codec, **params}.items())
     result = ClientResult(np.zeros(0, dtype=np.float32))
     chunks: list[np.ndarray] = []
@@ -48,6 +50,12 @@ async def talk(
     async with connect(f"{url}/api/chat?{query}", max_size=None) as ws:
 
         async def receive() -> None:
+            try:
+                await _read(ws)
+            except ConnectionClosed:
+                pass  # the server closed (a refusal or an error says why in result.errors)
+
+        async def _read(ws) -> None:
             async for message in ws:
                 kind = message[0]
                 if kind == Kind.HANDSHAKE:
@@ -69,18 +77,21 @@ async def talk(
 
         reader = asyncio.create_task(receive())
         start = time.monotonic()
-        for i, a in enumerate(range(0, len(speech), BLOCK)):
-            block = speech[a : a + BLOCK]
-            payload = (
-                opus_out.append_pcm(block) if opus_out else (np.clip(block, -1, 1) * 32767).astype("<i2").tobytes()
-            )
-            if len(payload):
-                await ws.send(protocol.audio(bytes(payload)))
-            await asyncio.sleep(max(0.0, start + (i + 1) * BLOCK / SAMPLE_RATE / speed - time.monotonic()))
-        end_of_speech = time.monotonic()
-        if mode == "turn":
-            await ws.send(protocol.control(Control.END_TURN))
-        await asyncio.sleep(listen_s)
+        try:
+            for i, a in enumerate(range(0, len(speech), BLOCK)):
+                block = speech[a : a + BLOCK]
+                payload = (
+                    opus_out.append_pcm(block) if opus_out else (np.clip(block, -1, 1) * 32767).astype("<i2").tobytes()
+                )
+                if len(payload):
+                    await ws.send(protocol.audio(bytes(payload)))
+                await asyncio.sleep(max(0.0, start + (i + 1) * BLOCK / SAMPLE_RATE / speed - time.monotonic()))
+            end_of_speech = time.monotonic()
+            if mode == "turn" and end_turn:
+                await ws.send(protocol.control(Control.END_TURN))
+            await asyncio.sleep(listen_s)
+        except ConnectionClosed:
+            pass
         await ws.close()
         await asyncio.wait_for(reader, 5)
     result.reply = np.concatenate(chunks) if chunks else result.reply

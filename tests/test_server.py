@@ -32,7 +32,8 @@ def speech(seconds: float, seed: int = 0) -> np.ndarray:
 def run_with_server(parts, body, options: ServerOptions | None = None, **engine_kw):
     """Start an engine and a server on a free port, run `body(url, server)`, stop everything."""
     model, tok = parts
-    cfg = EngineConfig(num_pages=512, max_context=512, calibration_ticks=0, max_reply_frames=20, **engine_kw)
+    engine_kw.setdefault("max_reply_frames", 20)
+    cfg = EngineConfig(num_pages=512, max_context=1024, calibration_ticks=0, **engine_kw)
 
     async def main():
         server = ChatServer(Engine(model, tok, cfg), options or ServerOptions(port=0))
@@ -214,3 +215,47 @@ def test_websocat_receives_the_handshake(parts) -> None:
 
     data = run_with_server(parts, body)
     assert data == protocol.handshake()
+
+
+def test_vad_ends_the_turn_and_speaking_over_the_reply_interrupts_it(parts) -> None:
+    """No end-of-turn message: Silero VAD on the server ends the turn after real speech. Speaking over the reply
+    interrupts it, and the engine keeps in the context no more of the reply than was sent."""
+    from server.speech import synthesize
+
+    question = np.concatenate([synthesize("Good morning. Can you hear me?"), np.zeros(24000, np.float32)])
+    interruption = synthesize("Wait, stop, I have another question.")
+
+    async def send_real_time(ws, wav: np.ndarray) -> None:
+        pcm = (np.clip(wav, -1, 1) * 32767).astype("<i2").tobytes()
+        for a in range(0, len(pcm), 3840):
+            await ws.send(protocol.audio(pcm[a : a + 3840]))
+            await asyncio.sleep(0.08)
+
+    async def body(url, server):
+        async with connect(f"{url}/api/chat?mode=turn&codec=pcm16") as ws:
+            received = 0
+
+            async def count() -> None:
+                nonlocal received
+                async for message in ws:
+                    if message[0] == Kind.AUDIO:
+                        received += (len(message) - 1) // 2 // 320
+
+            counter = asyncio.create_task(count())
+            await send_real_time(ws, question)
+            for _ in range(100):
+                if received >= 5:
+                    break
+                await asyncio.sleep(0.05)
+            assert received >= 5, "VAD did not end the turn: no reply"
+            await send_real_time(ws, interruption)
+            await asyncio.sleep(0.3)
+            conv = next(iter(server.engine.convs.values()))
+            first = conv.turns[0]
+            sent_by_then = received
+            counter.cancel()
+        assert "interrupted" in first.times, "speaking over the reply did not interrupt it"
+        assert first.reply_end - first.reply_start <= sent_by_then
+        assert len(conv.turns) == 2  # the interruption is the next turn
+
+    run_with_server(parts, body, max_reply_frames=400)
