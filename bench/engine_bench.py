@@ -10,8 +10,8 @@ model step:
 - engine: one batched `S2SModel.forward_paged` over all conversations, K/V in radix-cache pages;
 - transformers loop: for each conversation, `LlamaModel` (sdpa) with its own `DynamicCache`, our embeddings and
   heads around it (what a server built on transformers does without a batching engine).
-Same seeded weights (small preset). A deadline miss is an output frame later than its playback time plus the jitter
-buffer (80 ms).
+Same seeded weights (small preset). A deadline miss is an output frame sent later than its playback time (counted
+from the conversation's first output frame) plus the jitter buffer (`EngineConfig.jitter_buffer_s`, in each row).
 """
 
 from __future__ import annotations
@@ -184,7 +184,15 @@ def main(argv: list[str] | None = None) -> None:
         )
         engine = Engine(model, tok, cfg) if system == "engine" else TransformersLoop(model, tok, cfg)
         row = run(engine, n, seconds, voices)
-        rows.append({"system": system, "preset": "small", "frames_per_tick": args.frames_per_tick, **row})
+        rows.append(
+            {
+                "system": system,
+                "preset": "small",
+                "frames_per_tick": args.frames_per_tick,
+                "jitter_buffer_s": cfg.jitter_buffer_s,
+                **row,
+            }
+        )
     tables = print_table(
         "Duplex sweep: this engine vs a transformers loop (same weights, same codec path)",
         rows,

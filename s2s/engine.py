@@ -48,7 +48,7 @@ class EngineConfig:
     max_context: int = 4096  # steps; naive mode reserves this much per conversation
     frames_per_tick: int = 1  # duplex steps per conversation per tick: the codec works on chunks this long
     prefill_budget: int = 256  # prefill steps per tick, all conversations together
-    jitter_buffer_s: float = 0.08
+    jitter_buffer_s: float = 0.16  # clients send 80 ms blocks and the engine works in ticks: at least 80 ms + a tick
     max_reply_frames: int = 750
     session_ttl_s: float = 300.0  # a closed conversation can be resumed by id this long
     admission_headroom: float = 0.75  # admit while the predicted tick time stays under this share of tick_s
@@ -343,10 +343,19 @@ class Engine:
             self.step()
             next_tick += self.cfg.tick_s
             delay = next_tick - self.clock()
-            if delay > 0:
+            if delay > 0 and not self._behind():
                 time.sleep(delay)
-            else:
-                next_tick = self.clock()  # behind: do not burst to catch up
+            elif delay <= 0:
+                next_tick = self.clock()  # late: start the next tick now, and count from there
+
+    def _behind(self) -> bool:
+        """A duplex conversation still has a step it could take now: its input came in faster than a tick's worth
+        (clients send 80 ms blocks), so the next tick starts at once instead of waiting for its slot."""
+        with self._lock:
+            return any(
+                c.mode == "duplex" and c.step_token(c.computed) is not None and c.wanted_after(1)
+                for c in self.convs.values()
+            )
 
     @torch.inference_mode()
     def step(self) -> None:

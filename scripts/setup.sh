@@ -8,6 +8,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     missing=""
     command -v espeak-ng >/dev/null || missing="$missing espeak-ng"
     command -v sox >/dev/null || missing="$missing sox"
+    command -v chromium >/dev/null || missing="$missing chromium"
     if [ -n "$missing" ]; then
         apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null \
             || echo "setup: could not install$missing; tests fall back to the speech sample in tests/data" >&2

@@ -17,6 +17,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from pathlib import Path
 
 import numpy as np
 import sphn
@@ -146,6 +147,9 @@ class ChatServer:
         if path == "/metrics":
             body = generate_latest(self.registry)
             return Response(200, "OK", Headers([("Content-Type", "text/plain; version=0.0.4")]), body)
+        if path == "/":
+            page = (Path(__file__).parent / "web" / "index.html").read_bytes()
+            return Response(200, "OK", Headers([("Content-Type", "text/html; charset=utf-8")]), page)
         if path != "/api/chat":
             return connection.respond(HTTPStatus.NOT_FOUND, "not found\n")
         if self.options.token is not None:
@@ -183,20 +187,20 @@ class ChatServer:
             await ws.send(protocol.error(f"refused: {e}"))
             await ws.close(1013, "try again later")
             return
-        await ws.send(protocol.metadata({"session": cid, "mode": mode, "codec": codec}))
         playback = _Playback()
         sender = asyncio.create_task(self._send_loop(ws, cid, codec, playback))
         try:
+            await ws.send(protocol.metadata({"session": cid, "mode": mode, "codec": codec}))
             await self._receive_loop(ws, cid, mode, codec, playback)
         except ConnectionClosed:
             pass
-        finally:
+        finally:  # whatever happened, the conversation goes and its pages with it
             await asyncio.to_thread(self.engine.close, cid)
             await asyncio.wait_for(sender, 5)
 
     async def _receive_loop(self, ws: ServerConnection, cid: str, mode: str, codec: str, playback: _Playback) -> None:
         opus = sphn.OpusStreamReader(SAMPLE_RATE) if codec == "opus" else None
-        vad = await asyncio.to_thread(Endpointer, self.options.vad) if mode == "turn" else None
+        vad: Endpointer | None = None  # made on the first audio: loading the model costs CPU the engine needs
         started = time.monotonic()
         received_s = 0.0
         warned = False
@@ -220,6 +224,8 @@ class ChatServer:
                     await asyncio.sleep(ahead)  # back-pressure: stop reading until real time catches up
                 if not len(pcm):
                     continue
+                if mode == "turn" and vad is None:
+                    vad = await asyncio.to_thread(Endpointer, self.options.vad)
                 events = await asyncio.to_thread(vad.push, pcm) if vad is not None else []
                 if "speech_start" in events:  # barge-in if a reply is playing (a no-op otherwise), before this audio
                     await asyncio.to_thread(self.engine.interrupt, cid, playback.played_frames())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.request
 
 import numpy as np
@@ -259,3 +260,65 @@ def test_vad_ends_the_turn_and_speaking_over_the_reply_interrupts_it(parts) -> N
         assert len(conv.turns) == 2  # the interruption is the next turn
 
     run_with_server(parts, body, max_reply_frames=400)
+
+
+def test_fuzzed_messages_beside_a_healthy_duplex_conversation(parts) -> None:
+    """hypothesis-made messages on one connection while a duplex conversation streams on another: the server never
+    crashes, the fuzzing connection keeps answering, the healthy conversation gets all its audio, nothing leaks."""
+    import threading
+
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from tests_support import ServerThread
+
+    model, tok = parts
+    engine = Engine(model, tok, EngineConfig(num_pages=1024, max_context=4096, calibration_ticks=0, frames_per_tick=2))
+    kinds = st.sampled_from([b"\x00", b"\x01", b"\x02", b"\x03", b"\x04", b"\x05", b"\x06", b"\x07", b"\xff", b""])
+    message = st.one_of(st.binary(max_size=200), st.builds(lambda k, b: k + b, kinds, st.binary(max_size=64)))
+
+    with ServerThread(ChatServer(engine, ServerOptions(port=0))) as port:
+        url = f"ws://127.0.0.1:{port}"
+        healthy = {}
+        thread = threading.Thread(
+            target=lambda: healthy.update(
+                result=asyncio.run(talk(url, speech(6.0), mode="duplex", codec="pcm16", listen_s=0.5))
+            )
+        )
+        thread.start()
+
+        # one fuzzing connection, kept open across hypothesis examples, driven from its own event loop
+        loop = asyncio.new_event_loop()
+        driver = threading.Thread(target=loop.run_forever, daemon=True)
+        driver.start()
+
+        def run(coro):
+            return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+
+        async def open_ws():
+            return await connect(f"{url}/api/chat?mode=turn&codec=opus", max_size=None)
+
+        ws = run(open_ws())
+
+        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(messages=st.lists(message, max_size=20))
+        def fuzz(messages: list[bytes]) -> None:
+            async def send() -> None:
+                for m in messages:
+                    await ws.send(m)
+                await ws.send(protocol.audio(b""))  # the connection still takes messages after all of it
+
+            run(send())
+
+        fuzz()
+        run(ws.close())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        result = healthy["result"]
+        assert not result.errors and len(result.reply) >= 5.0 * 24000
+        # Not asserted: deadline misses of the healthy conversation. Alone it has none (frames_per_tick=2); beside
+        # the fuzzing driver, in this process on 2 cores, it measured 147-176 of ~450 frames late. Issue 6 is open.
+        for _ in range(50):  # the healthy connection's close reaches the engine a moment after the client's
+            if not engine.convs:
+                break
+            time.sleep(0.05)
+        assert engine.cache.stats().private == 0 and not engine.convs
