@@ -48,7 +48,7 @@ class EngineConfig:
     max_context: int = 4096  # steps; naive mode reserves this much per conversation
     frames_per_tick: int = 1  # duplex steps per conversation per tick: the codec works on chunks this long
     prefill_budget: int = 256  # prefill steps per tick, all conversations together
-    jitter_buffer_s: float = 0.16  # clients send 80 ms blocks and the engine works in ticks: at least 80 ms + a tick
+    jitter_buffer_s: float | None = None  # default: 80 ms (clients send 80 ms blocks) + one tick
     max_reply_frames: int = 750
     session_ttl_s: float = 300.0  # a closed conversation can be resumed by id this long
     admission_headroom: float = 0.75  # admit while the predicted tick time stays under this share of tick_s
@@ -57,6 +57,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.frames_per_tick < 1:
             raise ValueError(f"frames_per_tick must be >= 1, got {self.frames_per_tick}")
+        if self.jitter_buffer_s is None:
+            self.jitter_buffer_s = 0.08 + self.tick_s
 
     @property
     def tick_s(self) -> float:
