@@ -322,3 +322,29 @@ def test_fuzzed_messages_beside_a_healthy_duplex_conversation(parts) -> None:
                 break
             time.sleep(0.05)
         assert engine.cache.stats().private == 0 and not engine.convs
+
+
+def test_voice_prompt_folder(parts, tmp_path) -> None:
+    """Prompts are encoded once from a folder and chosen by plain name; conversations sharing one share its prefix."""
+    from server.audio import save_wav
+    from server.prompts import load_prompts
+
+    model, tok = parts
+    save_wav(tmp_path / "narrator.wav", speech(1.0, seed=3))
+    (tmp_path / "notes.txt").write_text("not audio")
+    voices = load_prompts(tmp_path, tok)
+    assert list(voices) == ["narrator"] and voices["narrator"].shape == (tok.num_codebooks, 75)
+    save_wav(tmp_path / "bad name.wav", speech(0.2))
+    with pytest.raises(ValueError, match="plain"):
+        load_prompts(tmp_path, tok)
+    with pytest.raises(FileNotFoundError):
+        load_prompts(tmp_path / "missing", tok)
+
+    async def body(url, server):
+        server.engine.add_voice("narrator", voices["narrator"])
+        first = await talk(url, speech(0.3), mode="turn", listen_s=0.8, voice="narrator")
+        second = await talk(url, speech(0.3), mode="turn", listen_s=0.8, voice="narrator")
+        assert first.handshake and second.handshake and not first.errors + second.errors
+        return server.engine.cache.stats().hit_steps
+
+    assert run_with_server(parts, body) >= 64  # the second conversation reused the prompt's pages
