@@ -148,7 +148,9 @@ class Engine:
         """Seed the cost model with real ticks (codec and model) on silent duplex conversations, like vLLM's
         profiling run, so that admission is right from the first burst; then forget them."""
         silence = np.zeros(320, dtype=np.float32)
-        for n in (1, 2, 4):
+        for n in (1, 1, 2, 4):  # the first pass only warms up (kernel builds, allocators) and is forgotten
+            if n == 1 and self.cost.samples:
+                self.cost = CostModel()
             if n > self.cfg.max_conversations or not self.cfg.calibration_ticks:
                 break
             cids = [self.open("duplex", sampling=SamplingParams(seed=i), admit=False) for i in range(n)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import pkgutil
 import runpy
 import sys
@@ -14,11 +15,9 @@ import torch
 
 
 def _bench_names() -> list[str]:
-    import bench
-
-    return sorted(
-        m.name.removesuffix("_bench") for m in pkgutil.iter_modules(bench.__path__) if m.name.endswith("_bench")
-    )
+    spec = importlib.util.find_spec("bench")  # finds the folder without importing it
+    modules = pkgutil.iter_modules(spec.submodule_search_locations if spec else [])
+    return sorted(m.name.removesuffix("_bench") for m in modules if m.name.endswith("_bench"))
 
 
 def roundtrip(args: argparse.Namespace) -> None:
