@@ -1,15 +1,16 @@
 """Engine: every live conversation advanced by one batched model forward and one batched codec call per tick.
 
 `Engine.step()` is one tick and can be driven directly (tests, with a simulated clock); `Engine.start()` runs it in
-a thread every `tick_s`, and callers talk to it through thread-safe commands and per-conversation event queues
-(`s2s.facade` wraps that for asyncio). A tick:
+a thread every `tick_s`. Callers on other threads use the public methods (they take the engine's lock, except
+`push_audio`, which only appends to a deque) and read per-conversation event queues (`s2s.facade` wraps that for
+asyncio). A tick:
 
-1. apply commands (open, audio, end of turn, interrupt, close);
-2. encode new user audio, all conversations in one `StreamingEncoder` call;
-3. pick the work (`Scheduler`): due duplex steps, turn replies, chunked prefill within the step budget;
-4. one `S2SModel.forward_paged` over all of it, K/V through the prefix cache's pages;
-5. sample the next model codes of every conversation at its frontier (seeded per conversation);
-6. decode the model frames that became complete, all conversations in one `StreamingDecoder` call, and emit them.
+1. encode new user audio, all conversations in one `StreamingEncoder` call;
+2. pick the work (`Scheduler`): due duplex steps, turn replies, chunked prefill within the step budget; steps 2-4
+   repeat `frames_per_tick` times;
+3. one `S2SModel.forward_paged` over all of it, K/V through the prefix cache's pages;
+4. sample the next model codes of every conversation at its frontier (seeded per conversation);
+5. decode the model frames that became complete, all conversations in one `StreamingDecoder` call, and emit them.
 """
 
 from __future__ import annotations
@@ -129,7 +130,6 @@ class Engine:
         silence = tokenizer.encode(np.zeros(320 * 16, dtype=np.float32))[0, :, -1]
         self.silence_codes = silence.cpu().numpy()  # what EnCodec makes of digital silence
         self._ids = itertools.count()
-        self._commands: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.RLock()  # guards conversation state against calls from other threads
