@@ -10,7 +10,10 @@ Decode only (one query per sequence), fp32; everything else goes to the referenc
 from __future__ import annotations
 
 import functools
+import sys
+import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -85,8 +88,16 @@ def _extension():
     try:
         from torch.utils.cpp_extension import load_inline
 
+        # Build per environment (checkouts with different include paths would rebuild each other's cache), and
+        # clear a lock a killed build left behind: torch would wait on it forever, and no build takes 10 minutes.
+        build = Path(sys.prefix) / "s2s_extensions" / "cpu_paged_decode"
+        build.mkdir(parents=True, exist_ok=True)
+        lock = build / "lock"
+        if lock.exists() and time.time() - lock.stat().st_mtime > 600:
+            lock.unlink(missing_ok=True)
         return load_inline(
             name="s2s_cpu_paged_decode_omp",
+            build_directory=str(build),
             cpp_sources=_SOURCE,
             functions=["paged_decode"],
             extra_cflags=["-O3", "-march=native", "-fopenmp"],

@@ -141,3 +141,23 @@ def test_reference_reuses_buffers_in_and_out_of_inference_mode() -> None:
     with torch.inference_mode():
         c = reference.paged_attention(*args)
     assert torch.equal(a, b) and torch.equal(b, c)
+
+
+def test_cpu_kernel_build_survives_a_stale_lock() -> None:
+    """A build killed midway leaves torch's lock file behind; the next process must not wait on it forever."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from kernels import cpu_attention
+
+    assert cpu_attention.available()
+    lock = Path(sys.prefix) / "s2s_extensions" / "cpu_paged_decode" / "lock"
+    lock.touch()
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    code = "from kernels import cpu_attention; assert cpu_attention.available()"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert not lock.exists()
