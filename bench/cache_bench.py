@@ -23,7 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from bench.common import environment, parser, percentiles, print_table, write_json
+from bench.common import environment, parser, percentiles, print_table, save_outputs
 from cache import PagePool, make_cache
 
 PAGE, WIDTH, PROMPTS, PROMPT_STEPS, TAIL_STEPS = 16, 8, 16, 256, 256
@@ -233,10 +233,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(line)
         tables.append(f"- {line}")
-    write_json(args.json, [{**env, **r} for r in scaling + by_length])
     plot(scaling, by_length, args.plot)
-    args.plot.with_suffix(".md").write_text("\n\n".join(tables) + "\n")
-    print(f"plot: {args.plot}; markdown tables: {args.plot.with_suffix('.md')}")
+    save_outputs(args, [{**env, **r} for r in scaling + by_length], tables)
 
 
 if __name__ == "__main__":

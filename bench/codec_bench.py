@@ -25,7 +25,7 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm import tqdm
 
-from bench.common import environment, parser, peak_rss_bytes, percentiles, print_table, timed, write_json
+from bench.common import environment, parser, peak_rss_bytes, percentiles, print_table, save_outputs, timed
 from codec import EncodecTokenizer
 
 FRAME_MS = 1000 / 75
@@ -229,10 +229,8 @@ def main(argv: list[str] | None = None) -> None:
             print(line)
             tables.append(f"- {line}")
     rows = [{**env, **r} for r in first + stream + base]
-    write_json(args.json, rows)
     plot(stream, args.plot)
-    args.plot.with_suffix(".md").write_text("\n\n".join(tables) + "\n")
-    print(f"plot: {args.plot}; markdown tables: {args.plot.with_suffix('.md')}")
+    save_outputs(args, rows, tables)
 
 
 if __name__ == "__main__":

@@ -83,3 +83,12 @@ def write_json(path: Path | None, rows: list[dict]) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(json.dumps(r, sort_keys=True) for r in rows) + "\n")
+
+
+def save_outputs(args: argparse.Namespace, rows: list[dict], tables: list[str]) -> None:
+    """Every benchmark's last step: JSON rows to --json, markdown tables beside the plot (--plot, already drawn)."""
+    write_json(args.json, rows)
+    md = args.plot.with_suffix(".md")
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text("\n\n".join(tables) + "\n")
+    print(f"plot: {args.plot}; markdown tables: {md}")

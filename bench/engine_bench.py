@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache, LlamaModel
 
-from bench.common import environment, parser, peak_rss_bytes, percentiles, print_table, write_json
+from bench.common import environment, parser, peak_rss_bytes, percentiles, print_table, save_outputs
 from codec import EncodecTokenizer
 from s2s import ModelConfig, S2SModel, SamplingParams
 from s2s.engine import FRAME_S, AudioEvent, Engine, EngineConfig, Refused
@@ -210,10 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         ],
     )
     env = {**environment(), "quick": args.quick}
-    write_json(args.json, [{**env, **r} for r in rows])
     plot(rows, args.plot)
-    args.plot.with_suffix(".md").write_text("\n\n".join(tables) + "\n")
-    print(f"plot: {args.plot}; markdown table: {args.plot.with_suffix('.md')}")
+    save_outputs(args, [{**env, **r} for r in rows], tables)
 
 
 if __name__ == "__main__":

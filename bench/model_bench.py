@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache, LlamaModel
 
-from bench.common import environment, parser, peak_rss_bytes, percentiles, print_table, timed, write_json
+from bench.common import environment, parser, peak_rss_bytes, percentiles, print_table, save_outputs, timed
 from s2s import ModelConfig, PagedBatch, S2SModel
 
 PAGE_SIZE = 16
@@ -160,10 +160,8 @@ def main(argv: list[str] | None = None) -> None:
         ],
     )
     env = {**environment(), "quick": args.quick}
-    write_json(args.json, [{**env, **r} for r in rows])
     plot(rows, args.plot)
-    args.plot.with_suffix(".md").write_text("\n\n".join(tables) + "\n")
-    print(f"plot: {args.plot}; markdown table: {args.plot.with_suffix('.md')}")
+    save_outputs(args, [{**env, **r} for r in rows], tables)
 
 
 if __name__ == "__main__":
