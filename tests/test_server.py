@@ -316,7 +316,7 @@ def test_fuzzed_messages_beside_a_healthy_duplex_conversation(parts) -> None:
         result = healthy["result"]
         assert not result.errors and len(result.reply) >= 5.0 * 24000
         # Not asserted: deadline misses of the healthy conversation. Alone it has none (frames_per_tick=2); beside
-        # the fuzzing driver, in this process on 2 cores, it measured 147-176 of ~450 frames late. Issue 6 is open.
+        # the fuzzing driver in this process on 2 cores it misses some. Issue 6 is open on this point.
         for _ in range(50):  # the healthy connection's close reaches the engine a moment after the client's
             if not engine.convs:
                 break
