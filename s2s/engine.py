@@ -82,6 +82,17 @@ class MetaEvent:
     data: dict
 
 
+class EventQueue(queue.Queue):
+    """A conversation's events. An asyncio reader sets `on_put` to wake itself instead of polling."""
+
+    on_put: Callable[[], None] | None = None
+
+    def _put(self, item) -> None:
+        super()._put(item)
+        if self.on_put is not None:
+            self.on_put()
+
+
 class Refused(RuntimeError):
     """The engine cannot take this conversation now (full, or it would make admitted ones miss deadlines)."""
 
@@ -119,7 +130,7 @@ class Engine:
         self.decoder = tokenizer.streaming_decoder(n)
         self.free_rows = list(range(n - 1, -1, -1))
         self.convs: dict[str, Conversation] = {}
-        self.events: dict[str, queue.Queue] = {}
+        self.events: dict[str, EventQueue] = {}
         self.pending_audio: dict[str, deque[np.ndarray]] = {}  # appended without the lock, drained by the tick
         self.pending_end: set[str] = set()
         self._closed: dict[str, tuple[dict, float]] = {}  # closed sessions' context, for resume within the TTL
@@ -217,7 +228,7 @@ class Engine:
             self.encoder.reset(row)
             self.decoder.reset(row)
             self.convs[cid] = conv
-            self.events[cid] = queue.Queue()
+            self.events[cid] = EventQueue()
             self.pending_audio[cid] = deque()
             if not conv.turns and (mode == "duplex" or conv.prompt_frames):
                 conv.turns.append(Turn(0, conv.prompt_frames))
@@ -324,7 +335,7 @@ class Engine:
                 for c in self.convs.values()
             ]
 
-    def event_queue(self, cid: str) -> queue.Queue:
+    def event_queue(self, cid: str) -> EventQueue:
         return self.events[cid]
 
     def start(self) -> None:

@@ -26,3 +26,4 @@ if ! $py -c "import torch" 2>/dev/null; then
 fi
 $py -m pip install -q -e '.[dev]' 2>&1 | grep -v "^WARNING: Location" || true
 $py -c "import codec, s2s" # fails loudly if the install did not take
+bash scripts/setup_moshi_client.sh || echo "setup: the Moshi client did not install; tests/test_moshi_client.py will skip" >&2

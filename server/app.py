@@ -9,6 +9,7 @@ conversation, which frees its pages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
@@ -56,6 +57,24 @@ class _Playback:
         return min(self.frames, int((time.monotonic() - self.started) / FRAME_S))
 
 
+class _Pace:
+    """Back-pressure on one connection: past `burst` units plus `rate` a second, reading pauses until the client
+    is back within bounds (TCP then slows the client down, at no cost to the server). The first time, it is told."""
+
+    def __init__(self, rate: float, burst: float, warning: str):
+        self.rate, self.burst, self.warning = rate, burst, warning
+        self.used, self.started, self.warned = 0.0, time.monotonic(), False
+
+    async def take(self, amount: float, ws: ServerConnection) -> None:
+        self.used += amount
+        ahead = (self.used - self.burst) / self.rate - (time.monotonic() - self.started)
+        if ahead > 0:
+            if not self.warned:
+                self.warned = True
+                await ws.send(protocol.error(self.warning))
+            await asyncio.sleep(ahead)
+
+
 @dataclass
 class ServerOptions:
     host: str = "127.0.0.1"
@@ -64,6 +83,7 @@ class ServerOptions:
     allowed_origins: list[str] = field(default_factory=list)  # empty: any origin
     max_message_bytes: int = 1 << 20
     realtime_burst_s: float = 2.0  # a client may run this far ahead of real time before it is throttled
+    max_messages_per_s: float = 100.0  # beyond this (after a burst of as many), reading pauses: clients send ~12/s
     vad: VadConfig = field(default_factory=VadConfig)  # turn mode endpointing
 
 
@@ -201,10 +221,11 @@ class ChatServer:
     async def _receive_loop(self, ws: ServerConnection, cid: str, mode: str, codec: str, playback: _Playback) -> None:
         opus = sphn.OpusStreamReader(SAMPLE_RATE) if codec == "opus" else None
         vad: Endpointer | None = None  # made on the first audio: loading the model costs CPU the engine needs
-        started = time.monotonic()
-        received_s = 0.0
-        warned = False
+        audio_pace = _Pace(1.0, self.options.realtime_burst_s, "sending faster than real time: throttled")
+        rate = self.options.max_messages_per_s
+        message_pace = _Pace(rate, rate, f"sending more than {rate:g} messages a second: throttled")
         async for message in ws:
+            await message_pace.take(1, ws)
             try:
                 kind, payload = protocol.parse(message)
             except ProtocolError as e:
@@ -215,13 +236,7 @@ class ChatServer:
                 if pcm is None:
                     await ws.send(protocol.error("audio payload is not valid " + ("Ogg/Opus" if opus else "PCM16")))
                     continue
-                received_s += len(pcm) / SAMPLE_RATE
-                ahead = received_s - (time.monotonic() - started) - self.options.realtime_burst_s
-                if ahead > 0:
-                    if not warned:
-                        await ws.send(protocol.error("sending faster than real time: throttled"))
-                        warned = True
-                    await asyncio.sleep(ahead)  # back-pressure: stop reading until real time catches up
+                await audio_pace.take(len(pcm) / SAMPLE_RATE, ws)
                 if not len(pcm):
                     continue
                 if mode == "turn" and vad is None:
@@ -251,11 +266,19 @@ class ChatServer:
     async def _send_loop(self, ws: ServerConnection, cid: str, codec: str, playback: _Playback) -> None:
         opus = sphn.OpusStreamWriter(SAMPLE_RATE) if codec == "opus" else None
         events = self.engine.event_queue(cid)
+        loop, ready = asyncio.get_running_loop(), asyncio.Event()
+
+        def wake() -> None:  # called on the engine thread
+            with contextlib.suppress(RuntimeError):  # the loop is closing: nobody is waiting any more
+                loop.call_soon_threadsafe(ready.set)
+
+        events.on_put = wake
         while True:
             try:
                 event = events.get_nowait()
             except queue.Empty:
-                await asyncio.sleep(0.005)  # polling keeps no thread blocked per connection
+                await ready.wait()
+                ready.clear()
                 continue
             if event is None:
                 return

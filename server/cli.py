@@ -72,6 +72,8 @@ def _engine(args: argparse.Namespace):
     from codec import EncodecTokenizer
     from s2s import Engine, EngineConfig, ModelConfig, S2SModel
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tok = EncodecTokenizer.from_pretrained(args.codec, bandwidth=args.bandwidth)
     if args.model:
         model = S2SModel.from_pretrained(args.model)
@@ -96,6 +98,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-conversations", type=int, default=32)
     p.add_argument("--frames-per-tick", type=int, default=4, help="duplex frames per engine tick (1 = 13.3 ms)")
     p.add_argument("--prompts", type=Path, default=None, help="folder of voice prompts (audio files)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice, one per core)")
 
 
 async def _serve(args: argparse.Namespace) -> None:

@@ -179,6 +179,13 @@ def test_limits(parts) -> None:
             while message[0] != Kind.ERROR:
                 message = await asyncio.wait_for(first.recv(), 5)
             assert "faster than real time" in message[1:].decode()
+            # a flood of messages: told, and throttled (reading pauses)
+            for _ in range(300):
+                await first.send(bytes([Kind.PING]))
+            message = await asyncio.wait_for(first.recv(), 5)
+            while message[0] != Kind.ERROR:
+                message = await asyncio.wait_for(first.recv(), 5)
+            assert "messages a second" in message[1:].decode()
             # a message over the size limit closes that connection only
             await first.send(protocol.audio(b"\x00" * 70000))
             with pytest.raises(ConnectionClosed):
@@ -262,66 +269,60 @@ def test_vad_ends_the_turn_and_speaking_over_the_reply_interrupts_it(parts) -> N
     run_with_server(parts, body, max_reply_frames=400)
 
 
-def test_fuzzed_messages_beside_a_healthy_duplex_conversation(parts) -> None:
+def test_fuzzed_messages_beside_a_healthy_duplex_conversation(tmp_path) -> None:
     """hypothesis-made messages on one connection while a duplex conversation streams on another: the server never
-    crashes, the fuzzing connection keeps answering, the healthy conversation gets all its audio, nothing leaks."""
-    import threading
+    crashes, the fuzzing connection keeps answering, the healthy conversation gets all its audio with no deadline
+    miss, nothing leaks. Server, healthy client and fuzzer are three processes, the fuzzer niced: its own CPU stands
+    in for another machine's, while the server's work on its messages competes with the healthy conversation."""
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-    from tests_support import ServerThread
+    from server.audio import save_wav
+    from server.process import ServerProcess
 
-    model, tok = parts
-    engine = Engine(model, tok, EngineConfig(num_pages=1024, max_context=4096, calibration_ticks=0, frames_per_tick=2))
-    kinds = st.sampled_from([b"\x00", b"\x01", b"\x02", b"\x03", b"\x04", b"\x05", b"\x06", b"\x07", b"\xff", b""])
-    message = st.one_of(st.binary(max_size=200), st.builds(lambda k, b: k + b, kinds, st.binary(max_size=64)))
-
-    with ServerThread(ChatServer(engine, ServerOptions(port=0))) as port:
-        url = f"ws://127.0.0.1:{port}"
-        healthy = {}
-        thread = threading.Thread(
-            target=lambda: healthy.update(
-                result=asyncio.run(talk(url, speech(6.0), mode="duplex", codec="pcm16", listen_s=0.5))
-            )
+    wav = tmp_path / "healthy.wav"
+    save_wav(wav, speech(6.0))
+    with ServerProcess("--preset", "tiny", "--frames-per-tick", "4", "--kv-pages", "1024", "--threads", "1") as url:
+        healthy = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "server.cli",
+                "client",
+                url,
+                "--wav",
+                str(wav),
+                "--out",
+                str(tmp_path / "reply.wav"),
+                "--mode",
+                "duplex",
+                "--codec",
+                "pcm16",
+                "--listen",
+                "0.5",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
-        thread.start()
-
-        # one fuzzing connection, kept open across hypothesis examples, driven from its own event loop
-        loop = asyncio.new_event_loop()
-        driver = threading.Thread(target=loop.run_forever, daemon=True)
-        driver.start()
-
-        def run(coro):
-            return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
-
-        async def open_ws():
-            return await connect(f"{url}/api/chat?mode=turn&codec=opus", max_size=None)
-
-        ws = run(open_ws())
-
-        @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-        @given(messages=st.lists(message, max_size=20))
-        def fuzz(messages: list[bytes]) -> None:
-            async def send() -> None:
-                for m in messages:
-                    await ws.send(m)
-                await ws.send(protocol.audio(b""))  # the connection still takes messages after all of it
-
-            run(send())
-
-        fuzz()
-        run(ws.close())
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(30)
-        result = healthy["result"]
-        assert not result.errors and len(result.reply) >= 5.0 * 24000
-        # Not asserted: deadline misses of the healthy conversation. Alone it has none (frames_per_tick=2); beside
-        # the fuzzing driver in this process on 2 cores it misses some. Issue 6 is open on this point.
-        for _ in range(50):  # the healthy connection's close reaches the engine a moment after the client's
-            if not engine.convs:
+        fuzzer = subprocess.run(
+            ["nice", "-n", "19", sys.executable, str(Path(__file__).with_name("fuzz_client.py")), url, "7"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        said = healthy.communicate(timeout=60)[0]
+        assert fuzzer.returncode == 0 and "still answers" in fuzzer.stdout, fuzzer.stdout + fuzzer.stderr
+        assert healthy.returncode == 0 and "server error" not in said, said
+        assert float(said.split("got ")[1].split(" s")[0]) >= 5.0, said
+        for _ in range(50):  # the connections' close reaches the engine a moment after the clients'
+            text = asyncio.run(http_get(f"{url}/metrics"))
+            if metric(text, "s2s_conversations") == 0:
                 break
-            time.sleep(0.05)
-        assert engine.cache.stats().private == 0 and not engine.convs
+            time.sleep(0.1)
+        assert metric(text, "s2s_conversations") == 0 and metric(text, "s2s_kv_pages", 'state="private"') == 0
+        assert metric(text, "s2s_deadline_misses_total") == 0, "the healthy conversation missed deadlines"
 
 
 def test_voice_prompt_folder(parts, tmp_path) -> None:
