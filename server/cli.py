@@ -84,6 +84,7 @@ def _engine(args: argparse.Namespace):
         max_conversations=args.max_conversations,
         frames_per_tick=args.frames_per_tick,
         num_pages=args.kv_pages,
+        max_reply_frames=args.max_reply_frames,
     )
     return Engine(model, tok, cfg), tok
 
@@ -96,6 +97,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", default="radix", help="naive, paged, exact or radix")
     p.add_argument("--kv-pages", type=int, default=4096, help="K/V pages of 16 steps")
     p.add_argument("--max-conversations", type=int, default=32)
+    p.add_argument("--max-reply-frames", type=int, default=750, help="turn mode: longest reply (75 frames a second)")
     p.add_argument("--frames-per-tick", type=int, default=4, help="duplex frames per engine tick (1 = 13.3 ms)")
     p.add_argument("--prompts", type=Path, default=None, help="folder of voice prompts (audio files)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice, one per core)")
