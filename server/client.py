@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,6 +27,7 @@ class ClientResult:
     errors: list[str] = field(default_factory=list)
     metadata: list[dict] = field(default_factory=list)
     turn_latency_s: float | None = None  # true end of speech to the first reply audio after it
+    speech_started: float | None = None  # time.monotonic() when the first speech sample was "spoken"
 
 
 async def talk(
@@ -36,10 +38,12 @@ async def talk(
     speed: float = 1.0,
     listen_s: float = 3.0,
     end_turn: bool = True,
+    on_audio: Callable[[tuple[float, int]], None] | None = None,
     **params: str,
 ) -> ClientResult:
     """Send `speech` in 80 ms blocks at `speed` x real time, then (turn mode, unless `end_turn=False`, which leaves
-    it to the server's VAD) an end of turn; collect the reply for `listen_s` seconds after the end of speech."""
+    it to the server's VAD) an end of turn; collect the reply for `listen_s` seconds after the end of speech.
+    `on_audio((arrival time, samples))` is called for each audio message received."""
     query = "&".join(f"{k}={v}" for k, v in {"mode": mode, "codec": codec, **params}.items())
     result = ClientResult(np.zeros(0, dtype=np.float32))
     chunks: list[np.ndarray] = []
@@ -70,22 +74,25 @@ async def talk(
                         if end_of_speech is not None and result.turn_latency_s is None and mode == "turn":
                             result.turn_latency_s = time.monotonic() - end_of_speech
                         chunks.append(np.asarray(pcm, dtype=np.float32))
+                        if on_audio is not None:
+                            on_audio((time.monotonic(), len(pcm)))
                 elif kind == Kind.ERROR:
                     result.errors.append(message[1:].decode(errors="replace"))
                 elif kind == Kind.METADATA:
                     result.metadata.append(metadata_of(message))
 
         reader = asyncio.create_task(receive())
-        start = time.monotonic()
+        start = result.speech_started = time.monotonic()
         try:
-            for i, a in enumerate(range(0, len(speech), BLOCK)):
+            for a in range(0, len(speech), BLOCK):
                 block = speech[a : a + BLOCK]
+                # as a microphone does: a block goes once its last sample has been spoken
+                await asyncio.sleep(max(0.0, start + (a + len(block)) / SAMPLE_RATE / speed - time.monotonic()))
                 payload = (
                     opus_out.append_pcm(block) if opus_out else (np.clip(block, -1, 1) * 32767).astype("<i2").tobytes()
                 )
                 if len(payload):
                     await ws.send(protocol.audio(bytes(payload)))
-                await asyncio.sleep(max(0.0, start + (i + 1) * BLOCK / SAMPLE_RATE / speed - time.monotonic()))
             end_of_speech = time.monotonic()
             if mode == "turn" and end_turn:
                 await ws.send(protocol.control(Control.END_TURN))

@@ -1,0 +1,221 @@
+"""Concurrency benchmark: duplex and turn sweeps through the real server, clients over websockets.
+
+    s2s bench concurrency [--quick] [--json PATH] [--plot PATH] [--preset small] [--levels 1,2,4,8,16,32]
+
+`s2s serve` runs in a child process (its own GIL, as in use), one per mode, on the offline default model (`--preset`,
+seeded weights) with 4-frame ticks. For each level N, N clients (asyncio, in this process, pcm16 to keep their own
+CPU low on a 2-core machine) connect 0.1 s apart and stream espeak-ng speech in real time (80 ms blocks, as Moshi's
+client does). Measured per level:
+- duplex `latency_ms`: output lag, when each reply chunk's last sample arrives minus when the user spoke the sample
+  at the same position (the client sends an 80 ms block once it is spoken, as a microphone does): the block, the
+  engine's tick and jitter, the network;
+- turn `latency_ms`: from the end of the user's speech (the client sends the end-of-turn message, no VAD wait) to the
+  first reply audio at the client;
+- `rtf_mean`: the server engine's busy time over wall time (above 1: it cannot keep up), from /metrics;
+- `throughput_x_realtime`: reply audio received by all clients per wall second;
+- deadline misses and refusals (Δ of the server's counters), peak server RSS and peak K/V pages in use (polled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+from tqdm import tqdm
+
+from bench.common import environment, parser, percentiles, print_table, save_outputs
+from server.client import SAMPLE_RATE, talk
+from server.process import ServerProcess
+from server.speech import speech
+
+SENTENCES = [
+    "Hello, can you hear me? I would like to book a table for two tonight.",
+    "What is the weather going to be like tomorrow morning in the city?",
+    "Please tell me a short story about a robot who learns to sing.",
+    "I think the meeting should move to Thursday afternoon at three.",
+]
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The server's /metrics as {name or name{labels}: value}."""
+    with urllib.request.urlopen(url.replace("ws://", "http://") + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def utterance(seconds: float, i: int) -> np.ndarray:
+    """`seconds` of espeak-ng speech (sentences back to back), different per client."""
+    parts, total = [], 0
+    k = i
+    while total < seconds * SAMPLE_RATE:
+        pcm = speech(SENTENCES[k % len(SENTENCES)])[0]
+        parts.append(pcm)
+        total += len(pcm)
+        k += 1
+    return np.concatenate(parts)[: int(seconds * SAMPLE_RATE)]
+
+
+async def duplex_client(url: str, pcm: np.ndarray) -> dict:
+    """One duplex conversation; the lag of each received chunk against the send clock."""
+    arrivals: list[tuple[float, int]] = []
+    result = await talk(url, pcm, mode="duplex", codec="pcm16", listen_s=0.5, on_audio=arrivals.append)
+    lags, received = [], 0
+    for t, n in arrivals:
+        received += n  # output sample k answers the user's sample k, spoken at speech_started + k / SAMPLE_RATE
+        lags.append(t - result.speech_started - received / SAMPLE_RATE)
+    return {"refused": any("refused" in e for e in result.errors), "latency_s": lags, "audio_s": received / SAMPLE_RATE}
+
+
+async def turn_client(url: str, pcm: np.ndarray) -> dict:
+    result = await talk(url, pcm, mode="turn", codec="pcm16", listen_s=3.0)
+    lat = [result.turn_latency_s] if result.turn_latency_s is not None else []
+    return {
+        "refused": any("refused" in e for e in result.errors),
+        "latency_s": lat,
+        "audio_s": len(result.reply) / SAMPLE_RATE,
+    }
+
+
+async def run_level(url: str, pid: int, mode: str, n: int, seconds: float) -> dict:
+    before = scrape(url)
+    clients = []
+    stop = asyncio.Event()
+    peak = {"rss": 0, "pages": 0.0}
+
+    async def poll() -> None:
+        while not stop.is_set():
+            m = await asyncio.to_thread(scrape, url)
+            used = sum(v for k, v in m.items() if k.startswith("s2s_kv_pages{") and 'state="free"' not in k)
+            peak["pages"] = max(peak["pages"], used)
+            peak["rss"] = max(peak["rss"], rss_bytes(pid))
+            await asyncio.sleep(0.5)
+
+    poller = asyncio.create_task(poll())
+    t0 = time.monotonic()
+    for i in range(n):
+        fn = duplex_client if mode == "duplex" else turn_client
+        clients.append(asyncio.create_task(fn(url, utterance(seconds, i))))
+        await asyncio.sleep(0.1)
+    done = await asyncio.gather(*clients)
+    wall = time.monotonic() - t0
+    stop.set()
+    await poller
+    await asyncio.sleep(1.0)  # closes reach the engine
+    after = scrape(url)
+    served = [d for d in done if not d["refused"]]
+    lat = [x for d in served for x in d["latency_s"]]
+    pct = percentiles(lat, 1000) if lat else {"p50": float("nan"), "p95": float("nan"), "p99": float("nan")}
+    return {
+        "concurrency": n,
+        "served": len(served),
+        "refused": len(done) - len(served),
+        "latency_ms_p50": pct["p50"],
+        "latency_ms_p95": pct["p95"],
+        "latency_ms_p99": pct["p99"],
+        "rtf_mean": (after["s2s_busy_seconds_total"] - before["s2s_busy_seconds_total"]) / wall,
+        "throughput_x_realtime": sum(d["audio_s"] for d in served) / wall,
+        "deadline_misses": int(after["s2s_deadline_misses_total"] - before["s2s_deadline_misses_total"]),
+        "peak_mem_bytes": peak["rss"],
+        "peak_kv_pages": int(peak["pages"]),
+        "leaked_private_pages": int(after['s2s_kv_pages{state="private"}']),
+    }
+
+
+def main() -> None:
+    p = parser("concurrency", __doc__.splitlines()[0])
+    p.add_argument("--preset", default="small", help="model preset of the server (seeded weights)")
+    p.add_argument("--levels", default="1,2,4,8,16,32", help="numbers of concurrent conversations")
+    p.add_argument("--seconds", type=float, default=8.0, help="speech per client")
+    args = p.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    modes = ["duplex", "turn"]
+    if args.quick:
+        levels, args.seconds = [1, 2, 4], 3.0
+    serve_args = ["--preset", args.preset, "--frames-per-tick", "4", "--max-reply-frames", "225"]
+    rows = []
+    bar = tqdm(total=len(modes) * len(levels), desc="concurrency")
+    for mode in modes:
+        server = ServerProcess(*serve_args)
+        with server as url:
+            for n in levels:
+                row = asyncio.run(run_level(url, server.proc.pid, mode, n, args.seconds))
+                rows.append(
+                    {
+                        "bench": "concurrency",
+                        "workload": f"{mode} speech {args.seconds:g} s per client",
+                        "mode": mode,
+                        "preset": args.preset,
+                        "frames_per_tick": 4,
+                        "client_codec": "pcm16",
+                        "seconds_per_client": args.seconds,
+                        **row,
+                        **environment(),
+                    }
+                )
+                bar.update()
+    bar.close()
+    columns = [
+        ("mode", "mode"),
+        ("concurrency", "N"),
+        ("served", "served"),
+        ("refused", "refused"),
+        ("latency_ms_p50", "latency p50 ms"),
+        ("latency_ms_p95", "p95 ms"),
+        ("rtf_mean", "engine RTF"),
+        ("throughput_x_realtime", "throughput x rt"),
+        ("deadline_misses", "misses"),
+        ("peak_kv_pages", "peak K/V pages"),
+        ("peak_mem_bytes", "peak RSS B"),
+    ]
+    tables = print_table(
+        f"Concurrency through `s2s serve` ({args.preset}, seeded, 4-frame ticks): duplex latency = output lag, "
+        "turn latency = end of speech to first reply audio",
+        rows,
+        columns,
+    )
+    plot(rows, args.plot)
+    save_outputs(args, rows, tables)
+
+
+def plot(rows: list[dict], path) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for mode in ("duplex", "turn"):
+        rs = [r for r in rows if r["mode"] == mode]
+        n = [r["concurrency"] for r in rs]
+        axes[0].plot(n, [r["latency_ms_p50"] for r in rs], "o-", label=f"{mode} p50")
+        axes[0].plot(n, [r["latency_ms_p95"] for r in rs], "x--", label=f"{mode} p95")
+        axes[1].plot(n, [r["throughput_x_realtime"] for r in rs], "o-", label=mode)
+        axes[2].plot(n, [r["served"] for r in rs], "o-", label=f"{mode} served")
+        axes[2].plot(n, [r["deadline_misses"] for r in rs], "x--", label=f"{mode} misses")
+    titles = ["latency (ms)", "reply audio, x real time", "conversations served / deadline misses"]
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent conversations")
+        ax.set_title(title)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
