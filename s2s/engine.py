@@ -2,8 +2,8 @@
 
 `Engine.step()` is one tick and can be driven directly (tests, with a simulated clock); `Engine.start()` runs it in
 a thread every `tick_s`. Callers on other threads use the public methods (they take the engine's lock, except
-`push_audio`, which only appends to a deque) and read per-conversation event queues (`s2s.facade` wraps that for
-asyncio). A tick:
+`push_audio` and `push_codes`, which only append to a deque) and read per-conversation event queues (`s2s.facade`
+wraps that for asyncio). A tick:
 
 1. encode new user audio, all conversations in one `StreamingEncoder` call;
 2. pick the work (`Scheduler`): due duplex steps, turn replies, chunked prefill within the step budget; steps 2-4
@@ -11,6 +11,10 @@ asyncio). A tick:
 3. one `S2SModel.forward_paged` over all of it, K/V through the prefix cache's pages;
 4. sample the next model codes of every conversation at its frontier (seeded per conversation);
 5. decode the model frames that became complete, all conversations in one `StreamingDecoder` call, and emit them.
+
+Without a codec (`Engine(model, None)`, e.g. a text model over one codebook of bytes) conversations are fed codes
+(`push_codes`) and emit `CodesEvent`s: steps 1 and 5 pass codes through. A codec engine takes `push_codes` too (a
+conversation is fed either audio or codes, not both).
 """
 
 from __future__ import annotations
@@ -76,6 +80,17 @@ class AudioEvent:
 
 
 @dataclass
+class CodesEvent:
+    """Model frames `[K, n]` from `first_frame` on, as sampled ids (codec-free engines emit these instead of PCM)."""
+
+    session: str
+    turn: int
+    first_frame: int
+    codes: np.ndarray
+    times: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
 class MetaEvent:
     session: str
     turn: int
@@ -101,7 +116,7 @@ class Engine:
     def __init__(
         self,
         model: S2SModel,
-        tokenizer: EncodecTokenizer,
+        tokenizer: EncodecTokenizer | None,
         config: EngineConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
@@ -109,7 +124,7 @@ class Engine:
         self.cfg = config or EngineConfig()
         self.clock = clock
         mcfg = model.config
-        if mcfg.num_codebooks != tokenizer.num_codebooks:
+        if tokenizer is not None and mcfg.num_codebooks != tokenizer.num_codebooks:
             raise ValueError(
                 f"model uses {mcfg.num_codebooks} codebooks but the codec {tokenizer.num_codebooks}: pick the "
                 "codec bandwidth that matches"
@@ -126,20 +141,22 @@ class Engine:
         )
         self.cache = make_cache(self.cfg.cache_mode, self.pool)
         n = self.cfg.max_conversations
-        self.encoder = tokenizer.streaming_encoder(n)
-        self.decoder = tokenizer.streaming_decoder(n)
+        self.encoder = tokenizer.streaming_encoder(n) if tokenizer else None
+        self.decoder = tokenizer.streaming_decoder(n) if tokenizer else None
         self.free_rows = list(range(n - 1, -1, -1))
         self.convs: dict[str, Conversation] = {}
         self.events: dict[str, EventQueue] = {}
-        self.pending_audio: dict[str, deque[np.ndarray]] = {}  # appended without the lock, drained by the tick
+        self.pending_input: dict[str, deque[np.ndarray]] = {}  # PCM or codes; appended without the lock
+        self.input_kind: dict[str, str] = {}  # "audio" or "codes", fixed by a conversation's first push
         self.pending_end: set[str] = set()
         self._closed: dict[str, tuple[dict, float]] = {}  # closed sessions' context, for resume within the TTL
         self.voices: dict[str, np.ndarray] = {}  # named voice prompts (codes [K, P])
         self.scheduler = Scheduler(self.cfg.prefill_budget)
         self.cost = CostModel()
         self.stats = EngineStats()
-        silence = tokenizer.encode(np.zeros(320 * 16, dtype=np.float32))[0, :, -1]
-        self.silence_codes = silence.cpu().numpy()  # what EnCodec makes of digital silence
+        if tokenizer is not None:
+            silence = tokenizer.encode(np.zeros(320 * 16, dtype=np.float32))[0, :, -1]
+            self.silence_codes = silence.cpu().numpy()  # what EnCodec makes of digital silence
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -148,17 +165,23 @@ class Engine:
 
     def add_voice(self, name: str, codes: np.ndarray | torch.Tensor) -> None:
         """Register a voice prompt under `name`; conversations opened with `prompt=name` share its prefix."""
+        self.voices[name] = self._checked_codes(codes, "voice codes")
+
+    def _checked_codes(self, codes: np.ndarray | torch.Tensor, what: str) -> np.ndarray:
+        """`codes` as int64 `[K, n >= 1]` with every id a real code, or a ValueError saying what is wrong."""
+        cfg = self.model.config
         codes = np.asarray(torch.as_tensor(codes).cpu(), dtype=np.int64)
-        if codes.ndim != 2 or codes.shape[0] != self.tok.num_codebooks or codes.shape[1] == 0:
-            raise ValueError(f"voice codes must be [K={self.tok.num_codebooks}, P >= 1], got {codes.shape}")
-        if codes.min() < 0 or codes.max() >= self.tok.codebook_size:
-            raise ValueError(f"voice codes must lie in [0, {self.tok.codebook_size})")
-        self.voices[name] = codes
+        if codes.ndim != 2 or codes.shape[0] != cfg.num_codebooks or codes.shape[1] == 0:
+            raise ValueError(f"{what} must be [K={cfg.num_codebooks}, n >= 1], got {codes.shape}")
+        if codes.min() < 0 or codes.max() >= cfg.codebook_size:
+            raise ValueError(f"{what} must lie in [0, {cfg.codebook_size})")
+        return codes
 
     def _calibrate(self) -> None:
         """Seed the cost model with real ticks (codec and model) on silent duplex conversations, like vLLM's
         profiling run, so that admission is right from the first burst; then forget them."""
         silence = np.zeros(320, dtype=np.float32)
+        zeros = np.zeros((self.model.config.num_codebooks, 1), dtype=np.int64)
         for n in (1, 1, 2, 4):  # the first pass only warms up (kernel builds, allocators) and is forgotten
             if n == 1 and self.cost.samples:
                 self.cost = CostModel()
@@ -167,11 +190,15 @@ class Engine:
             cids = [self.open("duplex", sampling=SamplingParams(seed=i), admit=False) for i in range(n)]
             for _ in range(self.cfg.calibration_ticks):
                 for cid in cids:
-                    self.push_audio(cid, silence)
+                    if self.tok is None:
+                        self.push_codes(cid, zeros)
+                    else:
+                        self.push_audio(cid, silence)
                 self.step()
             for cid in cids:
                 self._detach(self.convs.pop(cid))
-                del self.pending_audio[cid], self.events[cid]
+                del self.pending_input[cid], self.events[cid]
+                self.input_kind.pop(cid, None)
         self.stats = EngineStats()
 
     # ---- public API (thread-safe) ------------------------------------------------------------------------------
@@ -212,10 +239,7 @@ class Engine:
             if resume:
                 conv.restore(self._closed.pop(session_id)[0])
             elif prompt is not None:
-                codes = np.asarray(torch.as_tensor(prompt).cpu(), dtype=np.int64)
-                if codes.ndim != 2 or codes.shape[0] != self.tok.num_codebooks:
-                    raise ValueError(f"prompt codes must be [K={self.tok.num_codebooks}, P], got {codes.shape}")
-                conv.set_prompt(codes)
+                conv.set_prompt(self._checked_codes(prompt, "prompt codes"))
             self._attach_cache(conv)
             reserve = self.cache.pages_on_open(self.cfg.max_context)
             if reserve:
@@ -225,11 +249,10 @@ class Engine:
                     self._detach(conv)
                     self.stats.refused += 1
                     raise Refused(f"no K/V memory for another conversation: {e}") from e
-            self.encoder.reset(row)
-            self.decoder.reset(row)
+            self._reset_codec(row)
             self.convs[cid] = conv
             self.events[cid] = EventQueue()
-            self.pending_audio[cid] = deque()
+            self.pending_input[cid] = deque()
             if not conv.turns and (mode == "duplex" or conv.prompt_frames):
                 conv.turns.append(Turn(0, conv.prompt_frames))
             return cid
@@ -237,10 +260,22 @@ class Engine:
     def push_audio(self, cid: str, pcm: np.ndarray) -> None:
         """User PCM (float32, 24 kHz, any length); encoded in the next tick with everyone else's. Does not wait for
         the tick in progress (no lock: a deque append is atomic)."""
-        parts = self.pending_audio.get(cid)
+        if self.tok is None:
+            raise ValueError("this engine has no codec: feed it codes with push_codes")
+        self._pending(cid, "audio").append(np.asarray(pcm, dtype=np.float32).reshape(-1))
+
+    def push_codes(self, cid: str, codes: np.ndarray | torch.Tensor) -> None:
+        """User frames given as codes `[K, n]` (ids below `codebook_size`), taken in the next tick as they are: the
+        input of a codec-free engine, or text bytes fed to a speech model as its user stream."""
+        self._pending(cid, "codes").append(self._checked_codes(codes, "codes"))
+
+    def _pending(self, cid: str, kind: str) -> deque[np.ndarray]:
+        parts = self.pending_input.get(cid)
         if parts is None:
             raise KeyError(f"no open session {cid!r}")
-        parts.append(np.asarray(pcm, dtype=np.float32).reshape(-1))
+        if self.input_kind.setdefault(cid, kind) != kind:
+            raise ValueError(f"session {cid!r} is fed {self.input_kind[cid]}, not {kind}")
+        return parts
 
     def end_turn(self, cid: str) -> None:
         """Turn mode: the user finished speaking; the reply starts once their audio is in."""
@@ -248,7 +283,7 @@ class Engine:
             conv = self._conv(cid)
             if conv.mode != "turn":
                 raise ValueError("end_turn is for turn mode")
-            answered = conv.turns and conv.turns[-1].reply_start is not None and not self.pending_audio[cid]
+            answered = conv.turns and conv.turns[-1].reply_start is not None and not self.pending_input[cid]
             if conv.phase is Phase.REPLY or answered:
                 return  # no new speech since the last reply (a second end of turn, from VAD and the client both)
             self.pending_end.add(cid)
@@ -266,7 +301,8 @@ class Engine:
             turn.reply_end = cut
             turn.times["interrupted"] = self.clock()
             self._rewind(conv, cut)
-            self.decoder.reset(conv.row)
+            if self.decoder is not None:
+                self.decoder.reset(conv.row)
             conv.phase = Phase.LISTEN
             conv.emitted = cut
             self._drop_queued_audio(conv, turn.id)
@@ -278,7 +314,8 @@ class Engine:
             self._insert(conv, lock=False)
             self._detach(conv)
             self._closed[cid] = (conv.snapshot(), self.clock())
-            del self.convs[cid], self.pending_audio[cid]
+            del self.convs[cid], self.pending_input[cid]
+            self.input_kind.pop(cid, None)
             self.pending_end.discard(cid)
             self.events.pop(cid).put(None)
 
@@ -306,7 +343,7 @@ class Engine:
                 event = q.get_nowait()
             except queue.Empty:
                 break
-            if not (isinstance(event, AudioEvent) and event.turn == turn_id):
+            if not (isinstance(event, AudioEvent | CodesEvent) and event.turn == turn_id):
                 kept.append(event)
         for event in kept:
             q.put(event)
@@ -397,33 +434,38 @@ class Engine:
             self.stats.record_tick(elapsed, decode_steps, prefill_steps, len(self.convs), self.cache.stats())
 
     def _encode(self) -> None:
-        rows, chunks, owners = [], [], []
-        for cid, parts in self.pending_audio.items():
+        """New user frames: pushed audio through the streaming encoder (one call), pushed codes as they are."""
+        rows, chunks, owners, direct = [], [], [], []
+        for cid, parts in self.pending_input.items():
             taken = []
             while parts:
                 taken.append(parts.popleft())
-            if taken:
-                conv = self.convs[cid]
+            if not taken:
+                continue
+            conv = self.convs[cid]
+            if self.input_kind[cid] == "codes":
+                direct.append((conv, np.concatenate(taken, axis=1)))
+            else:
                 rows.append(conv.row)
                 chunks.append(np.concatenate(taken))
                 owners.append(conv)
-        if not rows:
-            return
+        if rows:
+            encoded = zip(owners, (c.cpu().numpy() for c in self.encoder.push(chunks, rows)), strict=True)
+            direct += [(conv, codes) for conv, codes in encoded if codes.shape[-1]]
         now = self.clock()
-        for conv, codes in zip(owners, self.encoder.push(chunks, rows), strict=True):
-            if codes.shape[-1]:
-                if conv.first_frame_at is None:
-                    conv.first_frame_at = now
-                if conv.mode == "turn" and (not conv.turns or conv.turns[-1].reply_start is not None):
-                    if conv.phase is Phase.LISTEN:
-                        conv.turns.append(Turn(len(conv.turns), conv.user_frames, times={"first_audio_in": now}))
-                conv.add_user_frames(codes.cpu().numpy())
+        for conv, codes in direct:
+            if conv.first_frame_at is None:
+                conv.first_frame_at = now
+            if conv.mode == "turn" and (not conv.turns or conv.turns[-1].reply_start is not None):
+                if conv.phase is Phase.LISTEN:
+                    conv.turns.append(Turn(len(conv.turns), conv.user_frames, times={"first_audio_in": now}))
+            conv.add_user_frames(codes)
 
     def _start_replies(self) -> None:
         """Turn mode: once a finished turn's audio is all encoded, the model stream becomes predicted."""
         for cid in list(self.pending_end):
             conv = self.convs[cid]
-            if self.pending_audio[cid] or conv.phase is Phase.REPLY or not conv.turns:
+            if self.pending_input[cid] or conv.phase is Phase.REPLY or not conv.turns:
                 continue
             self.pending_end.discard(cid)
             turn = conv.turns[-1]
@@ -480,6 +522,13 @@ class Engine:
             conv.computed = max(0, frame - 1)
             conv.last_logits = None
         keep = math.ceil(conv.computed / self.cfg.page_size)
+        if conv.computed % self.cfg.page_size and len(conv.pages) >= keep:
+            last = conv.pages[keep - 1]
+            if last not in conv.own_pages or self.pool.refcount(last) > 1:
+                # the cut falls inside a page the prefix cache holds: never write into it, recompute its steps
+                keep -= 1
+                conv.computed = keep * self.cfg.page_size
+                conv.last_logits = None
         if self.cache.pages_on_open(self.cfg.max_context) == 0 and len(conv.pages) > keep:
             owned = set(conv.own_pages)
             own = [p for p in conv.pages[keep:] if p in owned]
@@ -568,10 +617,13 @@ class Engine:
         cfg = self.model.config
         for items in groups.values():
             codes = np.stack([conv.model[a:b].T for conv, a, b in items])
-            codes = np.where(codes < cfg.codebook_size, codes, self.silence_codes[None, :, None])
-            pcm = self.decoder.push(torch.from_numpy(codes), [conv.row for conv, _, _ in items]).cpu().numpy()
+            if self.decoder is None:
+                out = codes  # codec-free: the sampled ids themselves
+            else:
+                codes = np.where(codes < cfg.codebook_size, codes, self.silence_codes[None, :, None])
+                out = self.decoder.push(torch.from_numpy(codes), [conv.row for conv, _, _ in items]).cpu().numpy()
             now = self.clock()
-            for (conv, a, b), audio in zip(items, pcm, strict=True):
+            for (conv, a, b), audio in zip(items, out, strict=True):
                 conv.emitted = b
                 turn = conv.turns[-1]
                 turn.times.setdefault("first_audio_out", now)
@@ -582,7 +634,8 @@ class Engine:
                             > conv.first_frame_at + (f - conv.prompt_frames + 1) * FRAME_S + self.cfg.jitter_buffer_s
                         ):
                             self.stats.deadline_misses += 1
-                self.events[conv.id].put(AudioEvent(conv.id, turn.id, a, audio, dict(turn.times)))
+                event = AudioEvent if self.decoder is not None else CodesEvent
+                self.events[conv.id].put(event(conv.id, turn.id, a, audio, dict(turn.times)))
 
     def _sendable(self, conv: Conversation) -> tuple[int, int]:
         complete = conv.complete_model_frames()
@@ -626,9 +679,13 @@ class Engine:
         if conv.handle is not None:
             self.cache.unlock(conv.handle)
             conv.handle = None
-        self.encoder.reset(conv.row)
-        self.decoder.reset(conv.row)
+        self._reset_codec(conv.row)
         self.free_rows.append(conv.row)
+
+    def _reset_codec(self, row: int) -> None:
+        if self.encoder is not None:
+            self.encoder.reset(row)
+            self.decoder.reset(row)
 
     # ---- admission ---------------------------------------------------------------------------------------------
 

@@ -15,9 +15,10 @@ import torch
 
 
 def _bench_names() -> list[str]:
+    """Benchmark names as typed: `bench/NAME_bench.py` with underscores in NAME written as dashes."""
     spec = importlib.util.find_spec("bench")  # finds the folder without importing it
     modules = pkgutil.iter_modules(spec.submodule_search_locations if spec else [])
-    return sorted(m.name.removesuffix("_bench") for m in modules if m.name.endswith("_bench"))
+    return sorted(m.name.removesuffix("_bench").replace("_", "-") for m in modules if m.name.endswith("_bench"))
 
 
 def roundtrip(args: argparse.Namespace) -> None:
@@ -108,13 +109,20 @@ async def _serve(args: argparse.Namespace) -> None:
 
     from server.app import ChatServer, ServerOptions
     from server.prompts import load_prompts
+    from server.vad import VadConfig
 
     engine, tok = _engine(args)
     if args.prompts:
         for name, codes in load_prompts(args.prompts, tok).items():
             engine.add_voice(name, codes)
-    options = ServerOptions(args.host, args.port, args.token, args.allowed_origin or [])
-    server = ChatServer(engine, options)
+    vad = VadConfig(silence_s=args.vad_silence)
+    if args.cascade:
+        from server.cascade import CascadeServer, text_engine_for
+
+        text = text_engine_for(args.preset, args.max_reply_frames, args.max_conversations)
+        server = CascadeServer(text, engine, args.host, args.port, vad, stt_decoders=args.max_conversations)
+    else:
+        server = ChatServer(engine, ServerOptions(args.host, args.port, args.token, args.allowed_origin or [], vad=vad))
     port = await server.start()
     print(f"serving ws://{args.host}:{port}/api/chat  (http://{args.host}:{port}/healthz, /metrics)", flush=True)
     try:
@@ -201,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--port", type=int, default=8998)
     sv.add_argument("--token", default=None, help="require ?token=... on /api/chat")
     sv.add_argument("--allowed-origin", action="append", help="allowed browser origins (repeatable)")
+    sv.add_argument("--vad-silence", type=float, default=0.5, help="turn mode: seconds of silence that end a turn")
+    sv.add_argument("--cascade", action="store_true", help="serve the STT -> LLM -> TTS cascade (server/cascade.py)")
     cl = sub.add_parser("client", help="stream a WAV file to a server and save the reply")
     cl.add_argument("url", help="ws://host:port")
     cl.add_argument("--wav", type=Path, required=True)
@@ -232,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.name not in _bench_names():
             p.error(f"unknown benchmark {args.name!r}; choose from {', '.join(_bench_names())}")
         sys.argv = [f"s2s bench {args.name}", *args.rest]
-        runpy.run_module(f"bench.{args.name}_bench", run_name="__main__", alter_sys=True)
+        runpy.run_module(f"bench.{args.name.replace('-', '_')}_bench", run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

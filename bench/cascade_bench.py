@@ -1,0 +1,393 @@
+"""Cascade benchmark: turn latency of this server (turn and duplex mode) beside a cascaded STT -> LLM -> TTS pipeline.
+
+    s2s bench cascade [--quick] [--json PATH] [--plot PATH]
+
+Every system is a websocket server in its own child process (one at a time), same model size (small preset, seeded):
+- `s2s serve --vad-silence S`: this server, turn mode (Silero endpointing after S of silence) and duplex mode;
+- `s2s serve --cascade`: `server/cascade.py`, the same endpointing (silence_ms=S), pocketsphinx fed while the user
+  speaks, a byte-level text decoder of the same size on this engine, then espeak-ng or this engine's speech decoder.
+
+Clients speak espeak-ng sentences in pcm16, 80 ms blocks each sent once its last sample is "spoken" (real time), then
+keep sending silence (a microphone stays on). Turn latency is from the true end of speech (the clip's last sample
+above SILENT, in the client's real-time timeline) to the first reply audio at the client. In duplex mode there is no
+endpoint: turn latency is from the block holding the last speech frame f leaving the client (loopback: reaching the
+server) to the arrival of model frame f + max_delay + 1, the first whose every code was sampled with user frame f
+wholly in context (frames are counted in the pcm16 stream). Per-stage times come from the servers' metadata
+(`time.perf_counter`, CLOCK_MONOTONIC on Linux, the same clock in every process). Concurrency N: N clients, started
+1/N s apart, each making its turns one after another on fresh connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+from tqdm import tqdm
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from bench.common import environment, parser, peak_rss_bytes, percentiles, print_table, save_outputs
+from s2s import ModelConfig
+from server import protocol
+from server.app import metadata_of
+from server.process import ServerProcess
+from server.protocol import Kind
+from server.speech import synthesize
+from server.vad import Endpointer, VadConfig
+
+RATE = 24000
+BLOCK = 1920
+FRAME = 320
+SILENT = 0.005  # |sample| above this is speech
+PRESET = "small"
+SENTENCES = [
+    "What is the weather going to be like tomorrow morning",
+    "Please book a table for two at the Italian place tonight",
+    "Tell me a short story about a robot who learns to sing",
+    "I think the meeting should move to Thursday afternoon",
+]
+STAGES = ["endpoint", "stt", "llm", "phrase", "tts", "send", "duplex"]
+STAGE_LABELS = {
+    "endpoint": "endpoint wait",
+    "stt": "STT final",
+    "llm": "LLM / S2S prefill to first token",
+    "phrase": "phrase aggregation",
+    "tts": "TTS / speech out to first audio",
+    "send": "send to client",
+    "duplex": "duplex: frame in to audio out",
+}
+
+
+@dataclass
+class Clip:
+    pcm: np.ndarray  # the utterance and enough trailing silence to end the turn
+    eos: int  # index of its last sample above SILENT
+
+
+def clips(silences: list[float], count: int) -> list[Clip]:
+    """espeak-ng utterances; each must end its turn exactly once, after its last word, at every silence setting."""
+    out = []
+    for text in SENTENCES[:count]:
+        wav = synthesize(text)
+        eos = int(np.flatnonzero(np.abs(wav) > SILENT)[-1])
+        pcm = np.concatenate([wav, np.zeros(int(RATE * (max(silences) + 0.4)), dtype=np.float32)])
+        for s in silences:
+            vad, ends = Endpointer(VadConfig(silence_s=s)), []
+            for a in range(0, len(pcm), BLOCK):
+                if "end_of_turn" in vad.push(pcm[a : a + BLOCK]):
+                    ends.append(a + BLOCK)
+            if len(ends) != 1 or ends[0] <= eos:
+                raise RuntimeError(f"{text!r}: the {s * 1000:.0f} ms endpointer fires at samples {ends}, eos {eos}")
+        out.append(Clip(pcm, eos))
+    return out
+
+
+@dataclass
+class TurnResult:
+    latency_s: float | None = None
+    stages: dict[str, float] = field(default_factory=dict)
+    ttfa_s: float | None = None
+    refused: bool = False
+    errors: list[str] = field(default_factory=list)
+
+
+async def one_turn(url: str, clip: Clip, system: str, query: str, timeout_s: float, max_delay: int) -> TurnResult:
+    """One utterance on a fresh connection, measured as the module docstring says."""
+    result = TurnResult()
+    start = time.perf_counter()
+    eos_at = start + (clip.eos + 1) / RATE  # when the speaker stopped, in real time
+    sent_at: list[float] = []  # block i left the client
+    received = 0  # duplex: samples of model audio so far
+    first_audio: float | None = None
+    target = (clip.eos // FRAME + max_delay + 1 + 1) * FRAME  # duplex: samples up to the end of that model frame
+    done = asyncio.Event()
+    meta: dict = {}
+
+    async with connect(f"{url}/api/chat?{query}", max_size=None) as ws:
+
+        async def receive() -> None:
+            nonlocal received, first_audio
+            try:
+                async for message in ws:
+                    now = time.perf_counter()
+                    if message[0] == Kind.AUDIO:
+                        n = (len(message) - 1) // 2
+                        if system == "duplex":
+                            if received < target <= received + n:
+                                first_audio = now
+                                done.set()
+                            received += n
+                        elif first_audio is None and now > eos_at:
+                            first_audio = now
+                    elif message[0] == Kind.METADATA:
+                        data = metadata_of(message)
+                        if data.get("event") in ("first_audio", "reply_done"):
+                            meta.setdefault(data["event"], data)
+                        if data.get("event") == "reply_done" and first_audio is not None:
+                            done.set()
+                    elif message[0] == Kind.ERROR:
+                        text = message[1:].decode(errors="replace")
+                        result.errors.append(text)
+                        result.refused = result.refused or text.startswith("refused")
+            except ConnectionClosed:
+                pass
+            done.set()
+
+        reader = asyncio.create_task(receive())
+        silence = np.zeros(BLOCK, dtype=np.float32)
+        try:
+            for i in range(int((len(clip.pcm) / RATE + timeout_s) * RATE / BLOCK)):
+                a = i * BLOCK
+                block = clip.pcm[a : a + BLOCK] if a < len(clip.pcm) else silence
+                await asyncio.sleep(max(0.0, start + (i + 1) * BLOCK / RATE - time.perf_counter()))
+                if done.is_set():
+                    break
+                await ws.send(protocol.audio((np.clip(block, -1, 1) * 32767).astype("<i2").tobytes()))
+                sent_at.append(time.perf_counter())
+        except ConnectionClosed:
+            pass
+        await ws.close()
+        await asyncio.wait_for(reader, 5)
+    if first_audio is None and not result.refused:
+        result.errors.append(f"no reply audio within {timeout_s:g} s of the end of speech")
+    if first_audio is None or result.refused:
+        return result
+    if system == "duplex":
+        frame_in = sent_at[((clip.eos // FRAME + 1) * FRAME - 1) // BLOCK]
+        result.latency_s = result.ttfa_s = first_audio - frame_in
+        result.stages = {"duplex": result.latency_s}
+        return result
+    result.latency_s = first_audio - eos_at
+    if system == "turn":
+        t = meta.get("reply_done", {}).get("times", {})
+        if not {"end_of_turn", "first_step", "first_audio_out"} <= t.keys():
+            result.errors.append(f"no stage times in {meta}")
+            return result
+        marks = [eos_at, t["end_of_turn"], t["end_of_turn"], t["first_step"], t["first_step"], t["first_audio_out"]]
+        result.ttfa_s = t["first_audio_out"] - t["end_of_turn"]
+    else:
+        t = meta.get("first_audio", {}).get("times", {})
+        if "tts_first_audio" not in t:
+            result.errors.append(f"no stage times in {meta}")
+            return result
+        keys = ["endpoint", "stt_done", "llm_first_token", "phrase_ready", "tts_first_audio"]
+        marks = [eos_at, *(t[k] for k in keys)]
+        result.ttfa_s = t["tts_first_audio"] - t["endpoint"]
+    marks.append(first_audio)
+    result.stages = {s: b - a for s, a, b in zip(STAGES, marks, marks[1:], strict=False)}
+    return result
+
+
+def deadline_misses(url: str) -> int | None:
+    """This server's duplex deadline-miss counter (Prometheus /metrics); None for the cascade."""
+    try:
+        body = urllib.request.urlopen(url.replace("ws://", "http://") + "/metrics", timeout=5).read().decode()
+    except OSError:
+        return None
+    for line in body.splitlines():
+        if line.startswith("s2s_deadline_misses"):
+            return int(float(line.split()[-1]))
+    return None
+
+
+async def run_level(
+    url: str, system: str, query: str, n: int, rounds: int, voices: list[Clip], timeout_s: float, max_delay: int
+) -> list[TurnResult]:
+    async def client(i: int) -> list[TurnResult]:
+        await asyncio.sleep(i / n)
+        return [
+            await one_turn(url, voices[(i + r) % len(voices)], system, query, timeout_s, max_delay)
+            for r in range(rounds)
+        ]
+
+    return [r for rs in await asyncio.gather(*(client(i) for i in range(n))) for r in rs]
+
+
+def summarize(results: list[TurnResult]) -> dict:
+    ok = [r for r in results if r.latency_s is not None]
+    row = {
+        "turns": len(results),
+        "answered": len(ok),
+        "refusals": sum(r.refused for r in results),
+        "errors": sum(bool(r.errors) and not r.refused for r in results),
+        "first_error": next((r.errors[0] for r in results if r.errors and not r.refused), None),
+    }
+    if ok:
+        lat = percentiles([r.latency_s for r in ok], 1000)
+        row.update({f"turn_latency_ms_{k}": v for k, v in lat.items()})
+        if any(r.ttfa_s is not None for r in ok):
+            ttfa = percentiles([r.ttfa_s for r in ok if r.ttfa_s is not None], 1000)
+            row.update({f"ttfa_ms_{k}": v for k, v in ttfa.items()})
+        staged = [r for r in ok if r.stages]  # the stage times come in metadata that may not arrive in time
+        for s in STAGES if staged else []:
+            row[f"{s}_ms_p50"] = float(np.median([r.stages.get(s, 0.0) for r in staged]) * 1000)
+    return row
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets, per silence, cascade TTS and concurrency, from this run's rows."""
+    by = {(r["system"], r["silence_ms"], r["concurrency"]): r for r in rows if "turn_latency_ms_p50" in r}
+    out = []
+    for (system, silence, n), c in sorted(by.items()):
+        if not system.startswith("cascade"):
+            continue
+        turn, duplex = by.get(("turn", silence, n)), by.get(("duplex", None, n))
+        row = {"cascade": system, "silence_ms": silence, "concurrency": n, "cascade_p50_ms": c["turn_latency_ms_p50"]}
+        if duplex:
+            row["duplex_over_cascade"] = duplex["turn_latency_ms_p50"] / c["turn_latency_ms_p50"]
+            row["duplex_at_most_third"] = row["duplex_over_cascade"] <= 1 / 3
+        if turn:
+            row["turn_p50_ms"] = turn["turn_latency_ms_p50"]
+            row["gap_ms"] = c["turn_latency_ms_p50"] - turn["turn_latency_ms_p50"]
+            row["stt_plus_llm_ms"] = c["stt_ms_p50"] + c["llm_ms_p50"]
+            row["turn_ahead_by_stt_llm"] = row["gap_ms"] >= row["stt_plus_llm_ms"]
+        out.append(row)
+    for row in out:  # the gap widening as concurrency grows
+        same = [
+            r for r in out if (r["cascade"], r["silence_ms"]) == (row["cascade"], row["silence_ms"]) and "gap_ms" in r
+        ]
+        lower = [r for r in same if r["concurrency"] < row["concurrency"]]
+        if lower and "gap_ms" in row:
+            row["gap_wider_than_lower_n"] = all(row["gap_ms"] > r["gap_ms"] for r in lower)
+    return out
+
+
+def plot(rows: list[dict], path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    silences = sorted({r["silence_ms"] for r in rows if r["silence_ms"] is not None})
+    fig, axes = plt.subplots(1, len(silences), figsize=(7 * len(silences), 5), squeeze=False)
+    colors = plt.get_cmap("tab10")
+    for ax, silence in zip(axes[0], silences, strict=True):
+        bars = [r for r in rows if r["silence_ms"] in (silence, None) and "turn_latency_ms_p50" in r]
+        bars.sort(key=lambda r: (r["system"], r["concurrency"]))
+        x = np.arange(len(bars))
+        bottom = np.zeros(len(bars))
+        for i, s in enumerate(STAGES):
+            h = np.array([max(0.0, r.get(f"{s}_ms_p50", 0.0)) for r in bars])
+            ax.bar(x, h, bottom=bottom, color=colors(i), label=STAGE_LABELS[s])
+            bottom += h
+        ax.plot(x, [r["turn_latency_ms_p50"] for r in bars], "k_", ms=14, label="turn latency p50")
+        ax.set_xticks(x, [f"{r['system'].replace('-', chr(10))}\nN={r['concurrency']}" for r in bars], fontsize=7)
+        ax.set_ylabel("ms (stage medians)")
+        ax.set_title(f"endpointing silence {silence:g} ms (duplex: no endpointing)")
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Turn latency by stage, {PRESET} preset on both sides, CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser("cascade", __doc__.splitlines()[0])
+    # one: on this shared 2-core machine two OpenMP threads per server, beside other work, made ticks 40x slower
+    p.add_argument("--threads", type=int, default=1, help="torch threads per server process (0: one per core)")
+    args = p.parse_args(argv)
+    if args.quick:
+        levels, silences, reply_frames, sentences, rounds = [1, 4], [0.2], 38, 1, {1: 1, 4: 1}
+    else:
+        levels, silences, reply_frames, sentences, rounds = [1, 4, 16], [0.2, 0.5], 150, 4, {1: 6, 4: 3, 16: 2}
+    timeout_s = 30.0
+    max_delay = ModelConfig.preset(PRESET).max_delay
+    voices = clips(silences, sentences)
+    # room for a level's conversations while the last level's are still closing
+    common = ["--preset", PRESET, "--max-reply-frames", reply_frames, "--max-conversations", 2 * max(levels)]
+    common += ["--threads", args.threads] if args.threads else []
+    plan = []  # (server args, [(system, silence ms or None, query)])
+    for s in silences:
+        # duplex first: an overloaded turn-mode level teaches the admission cost model slow ticks
+        runs = [("duplex", None, "mode=duplex&codec=pcm16&seed=1")] if s == silences[0] else []
+        runs += [("turn", s * 1000, "mode=turn&codec=pcm16&seed=1")]
+        plan.append((["--vad-silence", s, *common], runs))
+    cascade = [
+        (f"cascade-{tts}", s * 1000, f"mode=turn&codec=pcm16&seed=1&tts={tts}&silence_ms={s * 1000:g}")
+        for s in silences
+        for tts in ("espeak", "engine")
+    ]
+    plan.append((["--cascade", *common], cascade))
+    rows = []
+    with tqdm(total=sum(len(runs) for _, runs in plan) * len(levels), desc="cascade bench", file=sys.stderr) as bar:
+        for server_args, runs in plan:
+            with ServerProcess(*server_args) as url:
+                for system, silence_ms, query in runs:
+                    kind = system.split("-")[0]
+                    if not args.quick:  # one turn to warm up (first-call costs), not measured
+                        asyncio.run(run_level(url, kind, query, 1, 1, voices, timeout_s, max_delay))
+                    for n in levels:
+                        misses, t0 = deadline_misses(url), time.perf_counter()
+                        results = asyncio.run(run_level(url, kind, query, n, rounds[n], voices, timeout_s, max_delay))
+                        after = deadline_misses(url)
+                        rows.append(
+                            {
+                                "workload": "espeak utterances, one turn per connection",
+                                "system": system,
+                                "mode": "duplex" if system == "duplex" else "turn",
+                                "silence_ms": silence_ms,
+                                "concurrency": n,
+                                "rounds_per_client": rounds[n],
+                                "wall_s": time.perf_counter() - t0,
+                                "deadline_misses": None if None in (misses, after) else after - misses,
+                                "query": query,
+                                "server_args": " ".join(map(str, server_args)),
+                                **summarize(results),
+                            }
+                        )
+                        bar.update()
+    columns = [
+        ("system", "system"),
+        ("mode", "mode"),
+        ("silence_ms", "silence ms"),
+        ("concurrency", "N"),
+        ("answered", "answered"),
+        ("refusals", "refused"),
+        ("turn_latency_ms_p50", "turn p50 ms"),
+        ("turn_latency_ms_p95", "turn p95 ms"),
+        *((f"{s}_ms_p50", f"{s} ms") for s in STAGES),
+        ("deadline_misses", "deadline misses"),
+    ]
+    tables = print_table(
+        f"Turn latency, {PRESET} preset both sides (duplex: last user frame in -> first audio computed with it out)",
+        [{**r, "silence_ms": "-" if r["silence_ms"] is None else r["silence_ms"]} for r in rows],
+        columns,
+    )
+    tables += print_table(
+        "Targets (p50s of this run)",
+        targets(rows),
+        [
+            ("cascade", "cascade"),
+            ("silence_ms", "silence ms"),
+            ("concurrency", "N"),
+            ("cascade_p50_ms", "cascade p50"),
+            ("turn_p50_ms", "turn p50"),
+            ("gap_ms", "gap"),
+            ("stt_plus_llm_ms", "cascade STT+LLM"),
+            ("turn_ahead_by_stt_llm", "turn ahead >= STT+LLM"),
+            ("gap_wider_than_lower_n", "gap widens"),
+            ("duplex_over_cascade", "duplex / cascade"),
+            ("duplex_at_most_third", "duplex <= 1/3"),
+        ],
+    )
+    env = {
+        **environment(),
+        "quick": args.quick,
+        "preset": PRESET,
+        "reply_frames": reply_frames,
+        "levels": levels,
+        "silences_s": silences,
+        "client_timeout_s": timeout_s,
+        "codec": "pcm16",
+        "max_delay": max_delay,
+        "bench_peak_rss_bytes": peak_rss_bytes(),
+    }
+    plot(rows, args.plot)
+    save_outputs(args, [{**env, **r} for r in rows], tables)
+
+
+if __name__ == "__main__":
+    main()

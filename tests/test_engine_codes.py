@@ -1,0 +1,115 @@
+"""s2s/ engine fed codes: a codec-free engine (one codebook of bytes, a text model) and codes into a speech engine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from codec import EncodecTokenizer
+from s2s import ModelConfig, S2SModel, SamplingParams
+from s2s.conversation import Phase
+from s2s.engine import AudioEvent, CodesEvent, Engine, EngineConfig, MetaEvent
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@pytest.fixture(scope="module")
+def text_model() -> S2SModel:
+    return S2SModel.from_seed(ModelConfig.preset("tiny", num_codebooks=1, codebook_size=256), seed=0)
+
+
+def make(model, tok=None, **kw) -> Engine:
+    kw.setdefault("calibration_ticks", 0)
+    return Engine(model, tok, EngineConfig(max_context=512, num_pages=200, max_reply_frames=12, **kw))
+
+
+def as_bytes(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode(), dtype=np.uint8).astype(np.int64)[None]
+
+
+def reply(engine: Engine, cid: str, text: str) -> tuple[np.ndarray, list]:
+    """Feed `text` as user codes, end the turn, tick until the reply is done; the streamed codes and the events."""
+    engine.push_codes(cid, as_bytes(text))
+    engine.end_turn(cid)
+    for _ in range(200):
+        engine.step()
+        if engine.convs[cid].phase is Phase.LISTEN and engine.convs[cid].turns[-1].reply_end is not None:
+            break
+    q, events = engine.event_queue(cid), []
+    while not q.empty():
+        events.append(q.get())
+    return streamed(events), events
+
+
+def streamed(events: list) -> np.ndarray:
+    return np.concatenate([e.codes[0] for e in events if isinstance(e, CodesEvent)])
+
+
+def test_codec_free_engine_streams_codes(text_model) -> None:
+    engine = make(text_model, calibration_ticks=2)  # calibration runs on codes too
+    cid = engine.open("turn", sampling=GREEDY)
+    codes, events = reply(engine, cid, "what is the weather like")
+    turn = engine.convs[cid].turns[-1]
+    assert turn.reply_end - turn.reply_start == 12  # max_reply_frames (END is not sampled with these weights)
+    first = next(e for e in events if isinstance(e, CodesEvent))
+    assert not any(isinstance(e, AudioEvent) for e in events)
+    assert all(e.codes.shape[0] == 1 for e in events if isinstance(e, CodesEvent))
+    assert len(codes) == 12 and first.first_frame == turn.reply_start
+    assert "first_audio_out" in first.times  # the stage clock: when the first codes left the engine
+    done = [e for e in events if isinstance(e, MetaEvent)]
+    assert done and done[-1].data["event"] == "reply_done" and done[-1].data["frames"] == 12
+    second, _ = reply(engine, cid, "and tomorrow")  # a second turn in the same conversation
+    assert len(second) == 12
+
+
+def test_codec_free_reply_is_the_same_alone_batched_and_in_any_cache_mode(text_model) -> None:
+    texts = ["hello there", "book a table for two", "hello there, again"]
+    alone = []
+    for text in texts:
+        engine = make(text_model, cache_mode="naive")
+        alone.append(reply(engine, engine.open("turn", sampling=GREEDY), text)[0])
+    engine = make(text_model, cache_mode="radix")
+    cids = [engine.open("turn", sampling=GREEDY) for _ in texts]
+    for cid, text in zip(cids, texts, strict=True):
+        engine.push_codes(cid, as_bytes(text))
+        engine.end_turn(cid)
+    for _ in range(200):
+        engine.step()
+        if all(engine.convs[c].phase is Phase.LISTEN and engine.convs[c].turns[-1].reply_end for c in cids):
+            break
+    for cid, expected in zip(cids, alone, strict=True):
+        q = engine.event_queue(cid)
+        assert np.array_equal(streamed([q.get() for _ in range(q.qsize())]), expected)
+
+
+def test_bad_codes_and_audio_into_a_codec_free_engine_are_refused_clearly(text_model) -> None:
+    engine = make(text_model)
+    cid = engine.open("turn")
+    with pytest.raises(ValueError, match="no codec"):
+        engine.push_audio(cid, np.zeros(320, dtype=np.float32))
+    with pytest.raises(ValueError, match=r"\[K=1"):
+        engine.push_codes(cid, np.zeros((2, 3), dtype=np.int64))
+    with pytest.raises(ValueError, match=r"lie in \[0, 256\)"):
+        engine.push_codes(cid, np.array([[256]]))
+    with pytest.raises(KeyError):
+        engine.push_codes("nobody", as_bytes("hi"))
+
+
+def test_speech_engine_reply_to_codes_is_audio() -> None:
+    tok = EncodecTokenizer.from_pretrained(seed=0)
+    engine = make(S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0), tok)
+    cid = engine.open("turn", sampling=GREEDY)
+    text = as_bytes("hello there")
+    engine.push_codes(cid, np.repeat(text, 2, axis=0))  # each byte on both codebooks
+    with pytest.raises(ValueError, match="fed codes, not audio"):
+        engine.push_audio(cid, np.zeros(320, dtype=np.float32))
+    engine.end_turn(cid)
+    for _ in range(100):
+        engine.step()
+        if engine.convs[cid].phase is Phase.LISTEN and engine.convs[cid].turns[-1].reply_end is not None:
+            break
+    q = engine.event_queue(cid)
+    events = [q.get() for _ in range(q.qsize())]
+    assert sum(len(e.pcm) for e in events if isinstance(e, AudioEvent)) == 12 * 320
+    assert not any(isinstance(e, CodesEvent) for e in events)
+    assert engine.convs[cid].turns[-1].first_frame == 0
