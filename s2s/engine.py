@@ -694,15 +694,18 @@ class Engine:
             raise ValueError(f"mode must be duplex or turn, got {mode!r}")
         if not self.free_rows or len(self.convs) >= self.cfg.max_conversations:
             return f"the engine holds its maximum of {self.cfg.max_conversations} conversations"
-        if mode == "duplex":
-            duplex = sum(1 for c in self.convs.values() if c.mode == "duplex") + 1
-            predicted = self.cost.predict(duplex * self.cfg.frames_per_tick, 0)
-            budget = self.cfg.tick_s * self.cfg.admission_headroom
-            if predicted is not None and predicted > budget:
-                return (
-                    f"admitting another duplex conversation would make a tick take {predicted * 1000:.1f} ms, over "
-                    f"the {budget * 1000:.1f} ms budget: admitted conversations would miss their frame deadlines"
-                )
+        if not self.convs:
+            return None  # an idle engine always takes one: nothing else would ever correct a pessimistic cost model
+        # Every conversation counts as a real-time stream: a turn-mode one replies one step per frame, like duplex,
+        # and all of them may reply at once. Counting only duplex let 16 turn conversations starve together.
+        streams = len(self.convs) + 1
+        predicted = self.cost.predict(streams * self.cfg.frames_per_tick, 0)
+        budget = self.cfg.tick_s * self.cfg.admission_headroom
+        if predicted is not None and predicted > budget:
+            return (
+                f"admitting another conversation would make a tick take {predicted * 1000:.1f} ms, over "
+                f"the {budget * 1000:.1f} ms budget: admitted conversations would miss their frame deadlines"
+            )
         return None
 
     def _conv(self, cid: str) -> Conversation:

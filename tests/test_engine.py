@@ -332,3 +332,20 @@ def test_threaded_engine_through_asyncio(model, tok) -> None:
 
     frames = asyncio.run(main())
     assert 40 <= frames <= 60  # 0.8 s is 60 frames; the encoder's start-up look-ahead holds a few back
+
+
+def test_admission_counts_turn_conversations_and_an_idle_engine_admits(model, tok) -> None:
+    """Turn-mode conversations count as real-time streams (they may all reply at once); an engine with nobody in it
+    admits one whatever its cost model says, so a model soured by an overload cannot lock everyone out."""
+    cfg = EngineConfig(num_pages=500, max_conversations=8, calibration_ticks=0)
+    engine = Engine(model, tok, cfg)
+    for streams in (1, 2, 4):  # what an overload taught it: a tick takes 10 tick budgets per stream
+        for _ in range(20):
+            engine.cost.observe(streams * cfg.frames_per_tick, 0, 10 * cfg.tick_s * streams)
+    first = engine.open("turn")
+    with pytest.raises(Refused, match="deadline"):
+        engine.open("turn")
+    with pytest.raises(Refused, match="deadline"):
+        engine.open("duplex")
+    engine.close(first)
+    engine.close(engine.open("duplex"))
