@@ -3,9 +3,10 @@
     s2s bench concurrency [--quick] [--json PATH] [--plot PATH] [--preset small] [--levels 1,2,4,8,16,32]
 
 `s2s serve` runs in a child process (its own GIL, as in use), one per mode, on the offline default model (`--preset`,
-seeded weights) with 4-frame ticks. For each level N, N clients (asyncio, in this process, pcm16 to keep their own
-CPU low on a 2-core machine) connect 0.1 s apart and stream espeak-ng speech in real time (80 ms blocks, as Moshi's
-client does). Measured per level:
+seeded weights) with 4-frame ticks and one torch thread (`--threads`; on 2 cores, per-op thread overhead dominates at
+these shapes and a second thread fights the clients and the event loop). For each level N, N clients (asyncio, in
+this process, pcm16 to keep their own CPU low on a 2-core machine) connect 0.1 s apart and stream espeak-ng speech in
+real time (80 ms blocks, as Moshi's client does). Measured per level:
 - duplex `latency_ms`: output lag, when each reply chunk's last sample arrives minus when the user spoke the sample
   at the same position (the client sends an 80 ms block once it is spoken, as a microphone does): the block, the
   engine's tick and jitter, the network;
@@ -145,12 +146,14 @@ def main() -> None:
     p.add_argument("--preset", default="small", help="model preset of the server (seeded weights)")
     p.add_argument("--levels", default="1,2,4,8,16,32", help="numbers of concurrent conversations")
     p.add_argument("--seconds", type=float, default=8.0, help="speech per client")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the server (0: one per core)")
     args = p.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     modes = ["duplex", "turn"]
     if args.quick:
         levels, args.seconds = [1, 2, 4], 3.0
     serve_args = ["--preset", args.preset, "--frames-per-tick", "4", "--max-reply-frames", "225"]
+    serve_args += ["--threads", str(args.threads)]
     rows = []
     bar = tqdm(total=len(modes) * len(levels), desc="concurrency")
     for mode in modes:
@@ -165,6 +168,7 @@ def main() -> None:
                         "mode": mode,
                         "preset": args.preset,
                         "frames_per_tick": 4,
+                        "server_threads": args.threads,
                         "client_codec": "pcm16",
                         "seconds_per_client": args.seconds,
                         **row,

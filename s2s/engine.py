@@ -148,7 +148,7 @@ class Engine:
         self.events: dict[str, EventQueue] = {}
         self.pending_input: dict[str, deque[np.ndarray]] = {}  # PCM or codes; appended without the lock
         self.input_kind: dict[str, str] = {}  # "audio" or "codes", fixed by a conversation's first push
-        self.pending_end: set[str] = set()
+        self.pending_end: dict[str, float] = {}  # turn mode: when each waiting reply's end of turn came
         self._closed: dict[str, tuple[dict, float]] = {}  # closed sessions' context, for resume within the TTL
         self.voices: dict[str, np.ndarray] = {}  # named voice prompts (codes [K, P])
         self.scheduler = Scheduler(self.cfg.prefill_budget)
@@ -286,9 +286,8 @@ class Engine:
             answered = conv.turns and conv.turns[-1].reply_start is not None and not self.pending_input[cid]
             if conv.phase is Phase.REPLY or answered:
                 return  # no new speech since the last reply (a second end of turn, from VAD and the client both)
-            self.pending_end.add(cid)
-            if conv.turns:
-                conv.turns[-1].times.setdefault("end_of_turn", self.clock())
+            # stamped on the turn when its reply starts: the turn itself may not exist yet (audio still queued)
+            self.pending_end.setdefault(cid, self.clock())
 
     def interrupt(self, cid: str, played_frames: int) -> None:
         """Barge-in: cancel the reply and keep in the context only the `played_frames` frames the user heard."""
@@ -316,7 +315,7 @@ class Engine:
             self._closed[cid] = (conv.snapshot(), self.clock())
             del self.convs[cid], self.pending_input[cid]
             self.input_kind.pop(cid, None)
-            self.pending_end.discard(cid)
+            self.pending_end.pop(cid, None)
             self.events.pop(cid).put(None)
 
     def regenerate(self, cid: str) -> None:
@@ -332,7 +331,7 @@ class Engine:
             self._rewind(conv, turn.reply_start)
             turn.reply_start = turn.reply_end = None
             turn.times = {"regenerate": self.clock()}
-            self.pending_end.add(cid)
+            self.pending_end[cid] = turn.times["regenerate"]
 
     def _drop_queued_audio(self, conv: Conversation, turn_id: int) -> None:
         """Take the cancelled turn's audio the caller has not read yet out of its queue; keep everything else."""
@@ -467,8 +466,9 @@ class Engine:
             conv = self.convs[cid]
             if self.pending_input[cid] or conv.phase is Phase.REPLY or not conv.turns:
                 continue
-            self.pending_end.discard(cid)
+            ended = self.pending_end.pop(cid)
             turn = conv.turns[-1]
+            turn.times.setdefault("end_of_turn", ended)
             turn.reply_start = conv.user_frames
             turn.times["reply_start"] = self.clock()
             conv.phase = Phase.REPLY

@@ -86,6 +86,8 @@ def _engine(args: argparse.Namespace):
         frames_per_tick=args.frames_per_tick,
         num_pages=args.kv_pages,
         max_reply_frames=args.max_reply_frames,
+        admission_headroom=args.admission_headroom,
+        jitter_buffer_s=args.jitter_buffer_ms / 1000 if args.jitter_buffer_ms else None,
     )
     return Engine(model, tok, cfg), tok
 
@@ -98,6 +100,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache", default="radix", help="naive, paged, exact or radix")
     p.add_argument("--kv-pages", type=int, default=4096, help="K/V pages of 16 steps")
     p.add_argument("--max-conversations", type=int, default=32)
+    p.add_argument(
+        "--admission-headroom", type=float, default=0.75, help="admit while a predicted tick stays under this share"
+    )
+    p.add_argument("--jitter-buffer-ms", type=float, default=0, help="duplex deadline slack (default: 80 ms + a tick)")
     p.add_argument("--max-reply-frames", type=int, default=750, help="turn mode: longest reply (75 frames a second)")
     p.add_argument("--frames-per-tick", type=int, default=4, help="duplex frames per engine tick (1 = 13.3 ms)")
     p.add_argument("--prompts", type=Path, default=None, help="folder of voice prompts (audio files)")

@@ -349,3 +349,22 @@ def test_admission_counts_turn_conversations_and_an_idle_engine_admits(model, to
         engine.open("duplex")
     engine.close(first)
     engine.close(engine.open("duplex"))
+
+
+def test_end_of_turn_is_stamped_on_its_own_turn_when_the_audio_is_still_queued(model, tok) -> None:
+    """A client that pushes a whole utterance and ends the turn before any tick: the stamp goes on that new turn,
+    not on the one before it (whose reply is over)."""
+    engine = Engine(model, tok, EngineConfig(num_pages=400, calibration_ticks=0, max_reply_frames=6))
+    cid = engine.open("turn", sampling=GREEDY)
+    ends = []
+    for turn in range(2):
+        engine.push_audio(cid, speech(0.4, seed=turn))
+        ends.append(engine.clock())
+        engine.end_turn(cid)
+        for _ in range(40):
+            engine.step()
+        drain(engine, cid)
+    turns = engine.convs[cid].turns
+    assert len(turns) == 2 and all(t.reply_end is not None for t in turns)
+    for t, ended in zip(turns, ends, strict=True):
+        assert ended <= t.times["end_of_turn"] <= t.times["reply_start"], t.times
