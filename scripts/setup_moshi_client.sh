@@ -20,6 +20,6 @@ if ! { [ -x $py ] && $py -c "import moshi.client" 2>/dev/null; }; then
     $py -m pip install -q --no-deps "$wheels"/moshi-*.whl
     $py -m pip install -q 'numpy<2.3,>=1.26' 'sounddevice==0.5' 'sphn<0.3.0,>=0.2.0' 'aiohttp<3.12,>=3.10.5' \
         'safetensors<0.8.0,>=0.4.0' 'huggingface-hub<1.0.0,>=0.24' 'einops<0.9,>=0.7' 'sentencepiece<0.3,>=0.2.0' \
-        'tqdm>=4.48' 2>&1 | grep -v -e "dependency resolver" -e "moshi 0.2.13 requires torch" || true
+        'tqdm>=4.48' 2>&1 | grep -v -e "dependency resolver" -e "moshi 0.2.13 requires" || true
     rm -rf "$wheels"
 fi
