@@ -17,6 +17,13 @@ from rich.console import Console
 from rich.table import Table
 
 RESULTS_DIR = Path(__file__).parent / "results"
+# what the simulated users say (espeak-ng speaks them)
+SENTENCES = [
+    "Hello, can you hear me? I would like to book a table for two tonight.",
+    "What is the weather going to be like tomorrow morning in the city?",
+    "Please tell me a short story about a robot who learns to sing.",
+    "I think the meeting should move to Thursday afternoon at three.",
+]
 
 
 def parser(name: str, description: str) -> argparse.ArgumentParser:

@@ -30,17 +30,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import environment, parser, percentiles, print_table, save_outputs
+from bench.common import SENTENCES, environment, parser, percentiles, print_table, save_outputs
 from server.client import SAMPLE_RATE, talk
 from server.process import ServerProcess
 from server.speech import speech
-
-SENTENCES = [
-    "Hello, can you hear me? I would like to book a table for two tonight.",
-    "What is the weather going to be like tomorrow morning in the city?",
-    "Please tell me a short story about a robot who learns to sing.",
-    "I think the meeting should move to Thursday afternoon at three.",
-]
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -63,16 +56,15 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def utterance(seconds: float, i: int) -> np.ndarray:
-    """`seconds` of espeak-ng speech (sentences back to back), different per client."""
-    parts, total = [], 0
-    k = i
-    while total < seconds * SAMPLE_RATE:
-        pcm = speech(SENTENCES[k % len(SENTENCES)])[0]
-        parts.append(pcm)
-        total += len(pcm)
-        k += 1
-    return np.concatenate(parts)[: int(seconds * SAMPLE_RATE)]
+def utterances(seconds: float, count: int) -> list[np.ndarray]:
+    """`seconds` of espeak-ng speech per client (sentences back to back, starting at a different one each),
+    synthesized once before any client starts."""
+    clips = [speech(text)[0] for text in SENTENCES]
+    out = []
+    for i in range(count):
+        order = [clips[(i + k) % len(clips)] for k in range(int(seconds * SAMPLE_RATE) // min(map(len, clips)) + 1)]
+        out.append(np.concatenate(order)[: int(seconds * SAMPLE_RATE)])
+    return out
 
 
 async def duplex_client(url: str, pcm: np.ndarray) -> dict:
@@ -96,7 +88,8 @@ async def turn_client(url: str, pcm: np.ndarray) -> dict:
     }
 
 
-async def run_level(url: str, pid: int, mode: str, n: int, seconds: float) -> dict:
+async def run_level(url: str, pid: int, mode: str, speech_per_client: list[np.ndarray]) -> dict:
+    n = len(speech_per_client)
     before = scrape(url)
     clients = []
     stop = asyncio.Event()
@@ -114,7 +107,7 @@ async def run_level(url: str, pid: int, mode: str, n: int, seconds: float) -> di
     t0 = time.monotonic()
     for i in range(n):
         fn = duplex_client if mode == "duplex" else turn_client
-        clients.append(asyncio.create_task(fn(url, utterance(seconds, i))))
+        clients.append(asyncio.create_task(fn(url, speech_per_client[i])))
         await asyncio.sleep(0.1)
     done = await asyncio.gather(*clients)
     wall = time.monotonic() - t0
@@ -154,13 +147,14 @@ def main() -> None:
         levels, args.seconds = [1, 2, 4], 3.0
     serve_args = ["--preset", args.preset, "--frames-per-tick", "4", "--max-reply-frames", "225"]
     serve_args += ["--threads", str(args.threads)]
+    pcm = utterances(args.seconds, max(levels))
     rows = []
     bar = tqdm(total=len(modes) * len(levels), desc="concurrency")
     for mode in modes:
         server = ServerProcess(*serve_args)
         with server as url:
             for n in levels:
-                row = asyncio.run(run_level(url, server.proc.pid, mode, n, args.seconds))
+                row = asyncio.run(run_level(url, server.proc.pid, mode, pcm[:n]))
                 rows.append(
                     {
                         "bench": "concurrency",

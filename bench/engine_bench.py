@@ -28,18 +28,11 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache, LlamaModel
 
-from bench.common import environment, parser, peak_rss_bytes, percentiles, print_table, save_outputs
+from bench.common import SENTENCES, environment, parser, peak_rss_bytes, percentiles, print_table, save_outputs
 from codec import EncodecTokenizer
 from s2s import ModelConfig, S2SModel, SamplingParams
 from s2s.engine import FRAME_S, AudioEvent, Engine, EngineConfig, Refused
 from server.speech import speech, synthesize
-
-SENTENCES = [
-    "Hello, can you hear me? I would like to book a table for two tonight.",
-    "What is the weather going to be like tomorrow morning in the city?",
-    "Please tell me a short story about a robot who learns to sing.",
-    "I think the meeting should move to Thursday afternoon at three.",
-]
 
 
 class TransformersLoop(Engine):
