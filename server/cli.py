@@ -172,7 +172,7 @@ async def _demo(args: argparse.Namespace) -> None:
     try:
         wav, source = speech("Hello! Could you tell me what the weather will be like tomorrow?")
         print(f"user: {len(wav) / 24000:.2f} s of speech from {source}")
-        turn = await talk(url, wav, mode="turn", codec="pcm16", listen_s=3.0, seed="1")
+        turn = await talk(url, wav, mode="turn", codec="pcm16", listen_s=15.0, seed="1")
         print(
             f"turn mode, pcm16: handshake {turn.handshake}, reply {len(turn.reply) / 24000:.2f} s, "
             f"turn latency {turn.turn_latency_s * 1000:.0f} ms"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,7 +43,9 @@ async def talk(
     **params: str,
 ) -> ClientResult:
     """Send `speech` in 80 ms blocks at `speed` x real time, then (turn mode, unless `end_turn=False`, which leaves
-    it to the server's VAD) an end of turn; collect the reply for `listen_s` seconds after the end of speech.
+    it to the server's VAD) an end of turn; collect the reply for `listen_s` seconds after the end of speech, or in
+    turn mode until the first `reply_done` after it, whichever comes first: on a slow machine a generous `listen_s`
+    costs nothing.
     `on_audio((arrival time, samples))` is called for each audio message received."""
     query = "&".join(f"{k}={v}" for k, v in {"mode": mode, "codec": codec, **params}.items())
     result = ClientResult(np.zeros(0, dtype=np.float32))
@@ -50,6 +53,7 @@ async def talk(
     opus_in = sphn.OpusStreamReader(SAMPLE_RATE) if codec == "opus" else None
     opus_out = sphn.OpusStreamWriter(SAMPLE_RATE) if codec == "opus" else None
     end_of_speech: float | None = None
+    reply_done = asyncio.Event()
 
     async with connect(f"{url}/api/chat?{query}", max_size=None) as ws:
 
@@ -80,6 +84,8 @@ async def talk(
                     result.errors.append(message[1:].decode(errors="replace"))
                 elif kind == Kind.METADATA:
                     result.metadata.append(metadata_of(message))
+                    if end_of_speech is not None and result.metadata[-1].get("event") == "reply_done":
+                        reply_done.set()
 
         reader = asyncio.create_task(receive())
         start = result.speech_started = time.monotonic()
@@ -96,7 +102,11 @@ async def talk(
             end_of_speech = time.monotonic()
             if mode == "turn" and end_turn:
                 await ws.send(protocol.control(Control.END_TURN))
-            await asyncio.sleep(listen_s)
+            if mode == "turn":
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(reply_done.wait(), listen_s)
+            else:
+                await asyncio.sleep(listen_s)
         except ConnectionClosed:
             pass
         await ws.close()

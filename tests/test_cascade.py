@@ -36,7 +36,7 @@ def test_cascade_answers_a_turn(tts: str) -> None:
         server = CascadeServer(text_engine, speech_engine, port=0, stt_decoders=1)
         port = await server.start()
         try:
-            return await talk(f"ws://127.0.0.1:{port}", wav, "turn", "pcm16", speed=4, listen_s=3, tts=tts, seed="1")
+            return await talk(f"ws://127.0.0.1:{port}", wav, "turn", "pcm16", speed=4, listen_s=30, tts=tts, seed="1")
         finally:
             await server.stop()
 
