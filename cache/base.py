@@ -84,14 +84,30 @@ def page_tokens(key: np.ndarray, page_size: int, num_pages: int) -> list[bytes]:
 class PrefixCache(ABC):
     """One cache mode over a PagePool; see the module docstring for who references what."""
 
+    shares_prefixes = True  # False where `match` never gives anything back (the engine then skips re-matching)
+
     def __init__(self, pool: PagePool):
         self.pool = pool
         self.page_size = pool.page_size
         self._hit_steps = self._missed_steps = self._evicted_pages = self._evicted_live_pages = 0
 
+    def match(self, key: Any, record: bool = True) -> MatchResult:
+        """The longest cached prefix of `key` in full pages; adds no reference (lock the handle to keep it).
+        `record=False` leaves the hit and miss counters alone (a re-match; see `record_rematch`)."""
+        key = as_key(key)
+        result = self._match(key)
+        if record:
+            self._record_match(len(key), result.cached_steps)
+        return result
+
+    def record_rematch(self, gained: int, from_missed: int) -> None:
+        """A later match gave a conversation `gained` more steps, `from_missed` of which its first match counted as
+        missed: they are hits now."""
+        self._hit_steps += gained
+        self._missed_steps -= from_missed
+
     @abstractmethod
-    def match(self, key: Any) -> MatchResult:
-        """The longest cached prefix of `key` in full pages; adds no reference (lock the handle to keep it)."""
+    def _match(self, key: np.ndarray) -> MatchResult: ...
 
     @abstractmethod
     def insert(self, key: Any, pages: list[int]) -> Handle:

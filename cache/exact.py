@@ -14,6 +14,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from cache.base import Handle, MatchResult, PrefixCache, as_key, page_tokens
 from cache.pool import PagePool
 
@@ -31,8 +33,7 @@ class ExactCache(PrefixCache):
         self._hash_of: dict[int, bytes] = {}
         self._free_queue: OrderedDict[int, None] = OrderedDict()  # cached pages only the cache references, LRU first
 
-    def match(self, key: Any) -> MatchResult:
-        key = as_key(key)
+    def _match(self, key: np.ndarray) -> MatchResult:
         chain, h = [], ROOT_HASH
         for tokens in page_tokens(key, self.page_size, max(len(key) - 1, 0) // self.page_size):
             h = chain_hash(h, tokens)
@@ -41,7 +42,6 @@ class ExactCache(PrefixCache):
                 break
             chain.append((h, page))
         steps = len(chain) * self.page_size
-        self._record_match(len(key), steps)
         return MatchResult(steps, [p for _, p in chain], Handle(tuple(chain), steps))
 
     def insert(self, key: Any, pages: list[int]) -> Handle:

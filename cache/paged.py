@@ -5,15 +5,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from cache.base import Handle, MatchResult, PrefixCache, as_key
 
 
 class PagedCache(PrefixCache):
     """Every conversation computes its whole key; its pages are its own and freed at close. Handles cover 0 steps."""
 
-    def match(self, key: Any) -> MatchResult:
-        key = as_key(key)
-        self._record_match(len(key), 0)
+    shares_prefixes = False
+
+    def _match(self, key: np.ndarray) -> MatchResult:
         return MatchResult(0, [], Handle(None, 0))
 
     def insert(self, key: Any, pages: list[int]) -> Handle:

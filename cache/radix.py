@@ -14,6 +14,8 @@ import itertools
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from cache.base import Handle, MatchResult, PrefixCache, as_key, page_tokens
 from cache.pool import PagePool
 
@@ -49,11 +51,9 @@ class RadixCache(PrefixCache):
         self._tiebreak = itertools.count()
         self._clock = 0
 
-    def match(self, key: Any) -> MatchResult:
-        key = as_key(key)
+    def _match(self, key: np.ndarray) -> MatchResult:
         node, pages = self._walk(page_tokens(key, self.page_size, len(key) // self.page_size))
         steps = node.end * self.page_size
-        self._record_match(len(key), steps)
         return MatchResult(steps, pages, Handle(node, steps))
 
     def insert(self, key: Any, pages: list[int]) -> Handle:

@@ -63,6 +63,8 @@ class Conversation:
         self.first_frame_at: float | None = None  # when the first user frame reached the engine (deadlines)
         self.prompt_frames = 0
         self.cached_at_open = 0  # steps the prefix cache gave back when it opened
+        self.open_key_steps = 0  # steps known when it opened (what the first match looked up)
+        self.seen_inserts = -1  # the engine's insert count when this conversation last matched
         self.deadline_misses = 0
 
     def snapshot(self) -> dict:
@@ -113,29 +115,39 @@ class Conversation:
 
     def step_token(self, t: int) -> np.ndarray | None:
         """Step t's 2K codes, or None while some of them are unknown."""
-        frames = t - self.delays
-        if frames.max() >= len(self.user):
+        if (t - self.delays).max() >= len(self.user):
             return None
-        idx = np.arange(len(self.delays))
-        safe = np.maximum(frames, 0)
+        token = self._tokens(t, t + 1)[0]
+        return None if (token == UNKNOWN).any() else token
+
+    def _tokens(self, start: int, stop: int) -> np.ndarray:
+        """Steps start..stop-1 as `[n, 2K]`, UNKNOWN where a code is not known (frames within the arrays)."""
+        frames = np.arange(start, stop)[:, None] - self.delays[None, :]
+        idx = np.arange(len(self.delays))[None, :]
+        safe = np.clip(frames, 0, len(self.user) - 1)
         user = np.where(frames < 0, self.cfg.pad_id, self.user[safe, idx])
         model = np.where(frames < 0, self.cfg.pad_id, self.model[safe, idx])
-        token = np.concatenate([user, model])
-        return None if (token == UNKNOWN).any() else token
+        return np.concatenate([user, model], axis=1)
+
+    def known_steps(self) -> int:
+        """How many steps from 0 on are known (contiguous)."""
+        stop = max(0, len(self.user) + int(self.delays.min()))
+        unknown = np.flatnonzero((self._tokens(0, stop) == UNKNOWN).any(axis=1))
+        return int(unknown[0]) if len(unknown) else stop
 
     def ready_steps(self, limit: int) -> np.ndarray:
         """Up to `limit` known steps from `computed` on, as `[n, 2K]` (n may be 0)."""
-        out = []
-        for t in range(self.computed, self.computed + limit):
-            token = self.step_token(t)
-            if token is None:
-                break
-            out.append(token)
-        return np.stack(out) if out else np.zeros((0, 2 * self.cfg.num_codebooks), dtype=np.int64)
+        stop = min(self.computed + limit, max(self.computed, len(self.user) + int(self.delays.min())))
+        tokens = self._tokens(self.computed, stop)
+        unknown = np.flatnonzero((tokens == UNKNOWN).any(axis=1))
+        return tokens[: unknown[0]] if len(unknown) else tokens
 
     def key(self, steps: int) -> np.ndarray:
         """The prefix key: step tokens 0..steps-1 (all known)."""
-        return np.stack([self.step_token(t) for t in range(steps)]) if steps else np.zeros((0, 2 * len(self.delays)))
+        key = self._tokens(0, steps)
+        if (key == UNKNOWN).any():
+            raise ValueError(f"step {int(np.flatnonzero((key == UNKNOWN).any(axis=1))[0])} of the key is not known")
+        return key
 
     def wanted(self) -> list[tuple[int, int]]:
         """(frame, codebook) pairs that sampling the logits of step `computed` would fill: those still unknown."""

@@ -151,7 +151,8 @@ class Engine:
         self.pending_end: dict[str, float] = {}  # turn mode: when each waiting reply's end of turn came
         self._closed: dict[str, tuple[dict, float]] = {}  # closed sessions' context, for resume within the TTL
         self.voices: dict[str, np.ndarray] = {}  # named voice prompts (codes [K, P])
-        self.scheduler = Scheduler(self.cfg.prefill_budget)
+        self.scheduler = Scheduler(self.cfg.prefill_budget, self.cfg.page_size if self.cache.shares_prefixes else None)
+        self._inserts = 0  # prefix-cache inserts so far: a conversation re-matches only after new ones
         self.cost = CostModel()
         self.stats = EngineStats()
         if tokenizer is not None:
@@ -414,6 +415,7 @@ class Engine:
             start = self.clock()
             self._encode()
             self._start_replies()
+            self._rematch()
             decode_steps = prefill_steps = 0
             for i in range(self.cfg.frames_per_tick):  # each round: one step of every due conversation
                 work = self.scheduler.pick(list(self.convs.values()), start, self._deadline, prefill=i == 0)
@@ -581,8 +583,8 @@ class Engine:
             turn = w.conv.turns[-1] if w.conv.turns else None
             if turn is not None and turn.reply_start is not None and w.conv.computed >= turn.reply_start:
                 turn.times.setdefault("prefill_done", now)
-            if not w.decode and w.conv.step_token(w.conv.computed) is None:
-                self._insert(w.conv, lock=True)  # a prefill finished: later arrivals can share it at once
+            if not w.decode:
+                self._insert(w.conv, lock=True)  # a prefill chunk: conversations behind it can share it next tick
 
     def _sample(self, convs: list[Conversation]) -> None:
         todo = [c for c in convs if c.last_logits is not None and c.wanted()]
@@ -652,9 +654,8 @@ class Engine:
 
     def _attach_cache(self, conv: Conversation) -> None:
         """Match the longest cached prefix of what the conversation knows so far and lock it."""
-        known = 0
-        while conv.step_token(known) is not None:
-            known += 1
+        known = conv.open_key_steps = conv.known_steps()
+        conv.seen_inserts = self._inserts
         m = self.cache.match(conv.key(known)) if known else None
         if m is not None and m.cached_steps:
             self.cache.lock(m.handle)
@@ -662,10 +663,43 @@ class Engine:
             conv.pages = list(m.pages)
             conv.computed = conv.cached_at_open = m.cached_steps
 
+    def _rematch(self) -> None:
+        """A conversation with prefill waiting takes what the cache gained since it last looked: the pages another
+        conversation has just computed for the same prefix (vLLM and SGLang match when they schedule, not only on
+        arrival). Conversations that arrive together thus compute a shared prefix once; the scheduler holds back all
+        but one of those about to compute the same page (`Scheduler` with `page_size`)."""
+        if not self.cache.shares_prefixes:
+            return
+        page = self.cfg.page_size
+        for conv in self.convs.values():
+            if conv.seen_inserts == self._inserts or conv.step_token(conv.computed + 1) is None:
+                continue  # nothing new in the cache, or no prefill waiting (a decode step at most)
+            conv.seen_inserts = self._inserts
+            known = conv.known_steps()
+            m = self.cache.match(conv.key(known), record=False)
+            cached = min(m.cached_steps, (known - 1) // page * page)  # the last known step's logits are computed
+            if cached <= conv.computed:
+                continue
+            self.cache.lock(m.handle)
+            if conv.handle is not None:
+                self.cache.unlock(conv.handle)
+            conv.handle = m.handle
+            table = m.pages[: cached // page]
+            kept = set(table)
+            dropped = [p for p in conv.pages if p not in kept]
+            if not set(dropped) <= set(conv.own_pages):
+                raise AssertionError(f"{conv.id}: a matched page left its table on a re-match")
+            self.cache.release(dropped)
+            gone = set(dropped)
+            conv.own_pages = [p for p in conv.own_pages if p not in gone]
+            self.cache.record_rematch(cached - conv.computed, max(0, min(cached, conv.open_key_steps) - conv.computed))
+            conv.pages, conv.computed, conv.last_logits = table, cached, None
+
     def _insert(self, conv: Conversation, lock: bool) -> None:
         full = conv.computed // self.cfg.page_size * self.cfg.page_size
         if full == 0:
             return
+        self._inserts += 1
         handle = self.cache.insert(conv.key(full), conv.pages[: full // self.cfg.page_size])
         if lock:
             self.cache.lock(handle)

@@ -52,12 +52,14 @@ class EngineStats:
     out_of_pages: int = 0
     deadline_misses: int = 0
     busy_seconds: float = 0.0  # all ticks' time: its rate over a window is the engine's real-time factor
+    prefill_steps: int = 0  # steps computed other than as a sampled decode step (what a prefix cache saves)
     tick_seconds: deque = field(default_factory=lambda: deque(maxlen=10000))
     last: dict = field(default_factory=dict)
 
     def record_tick(self, seconds: float, decode_steps: int, prefill_steps: int, conversations: int, cache) -> None:
         self.ticks += 1
         self.busy_seconds += seconds
+        self.prefill_steps += prefill_steps
         self.tick_seconds.append(seconds)
         self.last = {
             "tick_ms": seconds * 1000,

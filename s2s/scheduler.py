@@ -3,7 +3,9 @@
 Every conversation whose next step is known and leads to a sampled frame decodes one step (duplex steps and turn
 replies: these are the deadlines, and admission control keeps them affordable). Prefill (voice prompts, a turn's user
 frames) shares a per-tick step budget, longest cached prefix first, with aging so that a cold conversation is not
-starved by a stream of warm ones (sglang #31954).
+starved by a stream of warm ones (sglang #31954). Where the cache shares prefixes (`page_size` given), of the
+conversations about to compute the same next page on the same cached prefix only the first goes this tick: the
+others take its pages from the cache next tick instead of computing them again (SGLang's in-batch prefix caching).
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ class Work:
 
 
 class Scheduler:
-    def __init__(self, prefill_budget: int):
+    def __init__(self, prefill_budget: int, page_size: int | None = None):
         if prefill_budget < 1:
             raise ValueError(f"prefill_budget must be >= 1, got {prefill_budget}")
-        self.prefill_budget = prefill_budget
+        self.prefill_budget, self.page_size = prefill_budget, page_size
         self._waiting_since: dict[str, float] = {}
 
     def pick(
@@ -52,9 +54,19 @@ class Scheduler:
             self._waiting_since.setdefault(conv.id, now)
         waiting.sort(key=lambda ct: -(ct[0].computed + AGING_STEPS_PER_S * (now - self._waiting_since[ct[0].id])))
         budget = self.prefill_budget
+        leaders: set[tuple] = set()
         for conv, tokens in waiting:
             if budget <= 0:
                 break
+            if self.page_size is not None and len(tokens) >= self.page_size:
+                shared = (
+                    conv.computed,
+                    tuple(conv.pages[: conv.computed // self.page_size]),
+                    tokens[: self.page_size].tobytes(),
+                )
+                if shared in leaders:
+                    continue  # another conversation computes this page now; this one re-matches it next tick
+                leaders.add(shared)
             take = tokens[:budget]
             budget -= len(take)
             work.append(Work(conv, take, False))

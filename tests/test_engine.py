@@ -130,6 +130,28 @@ def test_prefix_cache_reuses_the_shared_prompt(model, tok) -> None:
     assert hits["paged"] == 0 and hits["radix"] >= hits["exact"] >= 64
 
 
+@pytest.mark.parametrize("mode", ["exact", "radix"])
+def test_conversations_opening_together_compute_a_shared_prompt_once(model, tok, mode: str) -> None:
+    """Matching again when prefill is scheduled, and holding back all but one conversation about to compute the
+    same page: four conversations opened in the same instant on one 150-frame prompt compute it about once."""
+    prompt = tok.encode(speech(2.0, seed=7))[0]
+    computed, hit = {}, {}
+    for m in ("paged", mode):
+        engine = make(model, tok, m, prefill_budget=32)
+        cids = [engine.open("turn", prompt=prompt, sampling=GREEDY) for _ in range(4)]
+        for _ in range(40):
+            engine.step()
+        assert all(engine.convs[c].computed == prompt.shape[1] for c in cids)
+        computed[m], hit[m] = engine.stats.prefill_steps, engine.cache.stats().hit_steps
+        engine.cache.check()
+        for c in cids:
+            engine.close(c)
+        engine.cache.check()
+    assert computed["paged"] == 4 * 150 and hit["paged"] == 0
+    # the first computes all 150 steps; the others get 144 (9 full pages) back and compute the last 6
+    assert computed[mode] == 150 + 3 * 6 and hit[mode] == 3 * 144
+
+
 class SimClock:
     """Time moves only when told: by the tick, and by the simulated cost of each forward."""
 
