@@ -14,10 +14,12 @@ P - f * P random frames of its own (SGLang's generated-shared-prefix benchmark: 
 
 Workloads (SGLang's defaults are 64 groups x 16 prompts, a 2,048-token system prompt, 128-token questions and
 256-token outputs; scaled down to the tiny preset on 2 CPU cores, numbers in every JSON row):
-- shared: G groups x S conversations arriving as a Poisson process (4 a second, the same times in every mode; not
-  all at t = 0 as SGLang does: this engine matches a prefix only when a conversation opens, so conversations that
-  open together all miss), prompts of P frames, shared fraction 0 / 30 / 60 / 90 % (P is not a multiple of the
-  page, so shared prefixes end mid-page), one turn each;
+- shared: G groups x S conversations arriving as a Poisson process (4 a second, the same times in every mode),
+  prompts of P frames, shared fraction 0 / 30 / 60 / 90 % (P is not a multiple of the page, so shared prefixes end
+  mid-page), one turn each;
+- shared, at once: the same, every conversation arriving at t = 0, as SGLang's benchmark sends them (request rate
+  inf). The engine re-matches the cache when it schedules a prefill and computes a page that several waiting
+  conversations share once, so conversations that arrive together share what the first of them computes;
 - multiturn: S conversations of 5 turns; between turns the client hangs up and comes back (`resume=True`), so each
   turn reopens with the whole history, as SGLang's multi-turn benchmark resends it (a live conversation keeps its
   K/V in every mode);
@@ -65,6 +67,8 @@ from server.speech import synthesize
 MODES = ("naive", "paged", "exact", "radix")
 PAGE, FRAMES_PER_TICK, MAX_CONTEXT, PREFILL_BUDGET = 16, 4, 4096, 256
 WORDS_PER_MINUTE = 220
+AT_ONCE = "shared, at once"  # the shared workload with every conversation arriving at t = 0, as SGLang sends it
+SAMPLE_RATE, BLOCK = 24000, 1920  # user audio in 80 ms blocks when streamed
 BARGE_IN_FRAMES = 11  # frames of the reply the user hears before speaking over it (not a page boundary)
 QUESTIONS = [
     "Will it rain tomorrow?",
@@ -121,6 +125,7 @@ class Driver:
     t0: float = 0.0
     opened: int = 0
     last_arrival: float = 0.0  # seconds after the start; no stall is called before it
+    streamed: bool = True  # user turns arrive in real time (`say`)
 
     def after(self, seconds: float) -> Wait:
         """Wait until `seconds` after the run started (arrival times)."""
@@ -185,15 +190,25 @@ class Driver:
                 yield at(time.perf_counter() + 0.05)
 
     def speak(self, cid: str, pcm: np.ndarray, label: Callable[[], str] | str) -> Script:
-        """The user's whole turn arrives (pushed at once, then `end_turn`); wait for the whole reply."""
+        """The user's turn (see `say`); wait for the whole reply."""
         done = self.replies_done.get(cid, 0)
-        self.say(cid, pcm, label if isinstance(label, str) else label())
+        yield from self.say(cid, pcm, label)
         yield lambda: self.replies_done.get(cid, 0) > done
 
-    def say(self, cid: str, pcm: np.ndarray, label: str) -> None:
-        self.engine.push_audio(cid, pcm)
+    def say(self, cid: str, pcm: np.ndarray, label: Callable[[], str] | str) -> Script:
+        """The user's turn reaches the engine, whole (pushed at once, as SGLang sends a request) or streamed (80 ms
+        blocks, each once its last sample has been spoken, as `s2s client` and a microphone send them); then
+        `end_turn`, from which TTFA runs."""
+        if self.streamed:
+            start = time.perf_counter()
+            for a in range(0, len(pcm), BLOCK):
+                block = pcm[a : a + BLOCK]
+                yield at(start + (a + len(block)) / SAMPLE_RATE)
+                self.engine.push_audio(cid, block)
+        else:
+            self.engine.push_audio(cid, pcm)
         self.engine.end_turn(cid)
-        self.expect(cid, label)
+        self.expect(cid, label if isinstance(label, str) else label())
 
     def expect(self, cid: str, label: str) -> None:
         self.expecting[cid] = (time.perf_counter(), label)
@@ -207,7 +222,7 @@ class Driver:
 
     def barge_in(self, cid: str, pcm: np.ndarray, label: str) -> Script:
         """Speak, and cut the reply once `BARGE_IN_FRAMES` frames of it were heard."""
-        self.say(cid, pcm, label)
+        yield from self.say(cid, pcm, label)
         yield lambda: self.heard[cid] >= BARGE_IN_FRAMES
         self.engine.interrupt(cid, played_frames=BARGE_IN_FRAMES)
 
@@ -353,8 +368,8 @@ class Run:
     conversations: int
 
 
-def run_once(engine: Engine, scripts_of: Callable[[Driver], list[Script]]) -> Run:
-    d = Driver(engine)
+def run_once(engine: Engine, scripts_of: Callable[[Driver], list[Script]], streamed: bool) -> Run:
+    d = Driver(engine, streamed=streamed)
     scripts = scripts_of(d)
     return Run(d, engine, d.run(scripts), len(scripts))
 
@@ -465,53 +480,68 @@ def ratios(rows: list[dict]) -> list[dict]:
     return out
 
 
-def plot(rows: list[dict], path) -> None:
+def plot(rows: list[dict], path, title: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
-    shared = [r for r in rows if r["workload"] == "shared"]
-    for mode in MODES:
-        pts = sorted((r["shared_fraction"], r["ttfa_ms_p50"], r["ttfa_ms_p95"]) for r in shared if r["mode"] == mode)
-        a.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{mode} p50")
-        a.plot([p[0] for p in pts], [p[2] for p in pts], marker="x", ls="--", label=f"{mode} p95")
-    a.set(xlabel="shared fraction of the prompt", ylabel="TTFA ms", title="shared voice prompts")
-    a.legend(fontsize=7, ncol=2)
-    others = [r for r in rows if r["workload"] not in ("shared", "fit")]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4))
+    for ax, workload, title in zip(axes, ("shared", AT_ONCE), ("Poisson arrivals, 4/s", "all at t = 0"), strict=False):
+        shared = [r for r in rows if r["workload"] == workload]
+        for mode in MODES:
+            pts = sorted(
+                (r["shared_fraction"], r["ttfa_ms_p50"], r["ttfa_ms_p95"]) for r in shared if r["mode"] == mode
+            )
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{mode} p50")
+            ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="x", ls="--", label=f"{mode} p95")
+        ax.set(xlabel="shared fraction of the prompt", ylabel="TTFA ms", title=f"shared voice prompts, {title}")
+        ax.legend(fontsize=7, ncol=2)
+    others = [r for r in rows if r["workload"] not in ("shared", AT_ONCE, "fit")]
     names = sorted({r["workload"] for r in others})
     width = 0.2
     for k, mode in enumerate(MODES):
         vals = [next(r["ttfa_ms_p95"] for r in others if r["workload"] == n and r["mode"] == mode) for n in names]
-        b.bar(np.arange(len(names)) + (k - 1.5) * width, vals, width, label=mode)
-    b.set_xticks(np.arange(len(names)), names)
-    b.set(ylabel="TTFA p95 ms", title="other workloads")
-    b.legend(fontsize=7)
-    fig.suptitle("Prefix caching on audio workloads, tiny preset, CPU (same engine, same arrivals)")
+        axes[2].bar(np.arange(len(names)) + (k - 1.5) * width, vals, width, label=mode)
+    axes[2].set_xticks(np.arange(len(names)), names, fontsize=7)
+    axes[2].set(ylabel="TTFA p95 ms", title="other workloads")
+    axes[2].legend(fontsize=7)
+    fig.suptitle(f"Prefix caching on audio workloads, {title}, CPU (same engine, same arrivals)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser("prefix", __doc__.splitlines()[0]).parse_args(argv)
+    p = parser("prefix", __doc__.splitlines()[0])
+    p.add_argument(
+        "--user-turn",
+        choices=("streamed", "whole"),
+        default="streamed",
+        help="how a user turn reaches the engine: in real time in 80 ms blocks (as the server gets it) or at once",
+    )
+    p.add_argument("--preset", default="tiny", help="model size: tiny (prefill nearly free on CPU) or small")
+    args = p.parse_args(argv)
+    streamed = args.user_turn == "streamed"
     # one intra-op thread: on this shared 2-core machine two threads spin against other processes' work and ticks
     # slow down 20x at 16 conversations; the engine's work per tick is small (tiny preset)
     torch.set_num_threads(1)
     scale = QUICK if args.quick else FULL
     tok = EncodecTokenizer.from_pretrained(None, bandwidth=1.5)
-    model = S2SModel.from_seed(ModelConfig.preset("tiny", num_codebooks=tok.num_codebooks), seed=0)
+    model = S2SModel.from_seed(ModelConfig.preset(args.preset, num_codebooks=tok.num_codebooks), seed=0)
     clips = [synthesize(q, words_per_minute=WORDS_PER_MINUTE) for q in QUESTIONS]
     clip_frames = round(np.mean([len(c) for c in clips]) / 320)
-    env = {**environment(), "quick": args.quick, "preset": "tiny", **asdict(scale), "page_size": PAGE}
+    env = {**environment(), "quick": args.quick, "preset": args.preset, **asdict(scale), "page_size": PAGE}
     env |= {"frames_per_tick": FRAMES_PER_TICK, "max_context": MAX_CONTEXT, "prefill_budget": 256}
     env["question_frames_mean"] = clip_frames
+    env["user_turn"] = args.user_turn
     roomy = (scale.groups * scale.per_group + scale.burst) * MAX_CONTEXT // PAGE + 1  # naive holds all at once
 
     plan: list[tuple[str, float, Callable[[Driver, Workload], list[Script]], Callable[[], int]]] = []
     for f in scale.fractions:
         plan.append(("shared", f, lambda d, w, f=f: shared_scripts(d, w, f), lambda: roomy))
+    for f in scale.fractions:
+        plan.append((AT_ONCE, f, lambda d, w, f=f: shared_scripts(d, w, f), lambda: roomy))
     plan.append(("multiturn", 0.6, multiturn_scripts, lambda: roomy))
     plan.append(("branching", 2 / 3, branching_scripts, lambda: roomy))
     plan.append(("unique", 0.0, lambda d, w: shared_scripts(d, w, 0.0), lambda: roomy))
     warm = Workload(scale, clips, 99)  # a throwaway run first: one-time costs (allocators, kernels) hit no mode
-    run_once(make_engine(model, tok, "paged", roomy, scale), lambda d: shared_scripts(d, warm, 0.0))
+    run_once(make_engine(model, tok, "paged", roomy, scale), lambda d: shared_scripts(d, warm, 0.0), streamed)
     runs: dict[tuple[str, float, str], list[Run]] = {}
     pressure_w = Workload(scale, clips, 2)
     budget = pressure_working_set(pressure_w) // 2
@@ -521,8 +551,12 @@ def main(argv: list[str] | None = None) -> None:
         w = Workload(scale, clips, seed)
         if name == "unique":
             w.group_prompts = [w.rng.integers(0, 1024, size=(2, scale.prompt_frames)) for _ in range(len(clips))]
+        if name == AT_ONCE:
+            w.arrivals[:] = 0.0
         engine = make_engine(model, tok, mode, pages_of(), scale)
-        runs.setdefault((name, fraction, mode), []).append(run_once(engine, lambda d, s=scripts_of, w=w: s(d, w)))
+        runs.setdefault((name, fraction, mode), []).append(
+            run_once(engine, lambda d, s=scripts_of, w=w: s(d, w), streamed)
+        )
     pressure_jobs = [
         (name, MODES[(r + k) % len(MODES)])
         for r in range(scale.rounds)
@@ -534,7 +568,7 @@ def main(argv: list[str] | None = None) -> None:
         headroom = EngineConfig.admission_headroom if name == "pressure" else math.inf
         engine = make_engine(model, tok, mode, budget + 1, scale, admission_headroom=headroom)
         runs.setdefault((name, 0.6, mode), []).append(
-            run_once(engine, lambda d, p=phase: pressure_scripts(d, pressure_w, p))
+            run_once(engine, lambda d, p=phase: pressure_scripts(d, pressure_w, p), streamed)
         )
     rows = [
         {"workload": name, "mode": mode, "shared_fraction": fraction, **summarize(rs)}
@@ -574,7 +608,8 @@ def main(argv: list[str] | None = None) -> None:
         ("stalled", "stalled"),
     ]
     tables = print_table(
-        f"TTFA by workload and cache mode (tiny preset; G={scale.groups} x S={scale.per_group}, "
+        f"TTFA by workload and cache mode ({args.preset} preset, user turns {args.user_turn}; "
+        f"G={scale.groups} x S={scale.per_group}, "
         f"P={scale.prompt_frames} frames, Q~{clip_frames} frames, R={scale.reply_frames})",
         [r for r in rows if not r["workload"].startswith("pressure")],
         cols,
@@ -626,7 +661,7 @@ def main(argv: list[str] | None = None) -> None:
             ("stopped_by", "stopped by"),
         ],
     )
-    plot(rows, args.plot)
+    plot(rows, args.plot, f"{args.preset} preset, user turns {args.user_turn}")
     save_outputs(args, [{**env, **r} for r in rows + fit + ratio_rows], tables)
 
 
