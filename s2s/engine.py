@@ -547,23 +547,77 @@ class Engine:
         return conv.first_frame_at + frame * FRAME_S + self.cfg.jitter_buffer_s
 
     def _reserve_pages(self, work: list[Work]) -> list[Work]:
-        kept = []
+        """Pages for this round's work. When the pool runs short, a conversation takes the pages of one that sits
+        idle between turns (least recently active first); failing that, a conversation that already holds pages
+        preempts the one opened last, itself if it is that one (vLLM's order); a prefill shrinks to what fits;
+        otherwise it waits a tick. Without this, conversations that each hold some pages and each need one more, or
+        listeners holding theirs while another cannot start its turn, would wait on each other for ever."""
+        kept: list[Work] = []
+        busy = {w.conv.id for w in work}
+        preempted: set[str] = set()
         for w in work:
             conv = w.conv
-            need = math.ceil((conv.computed + len(w.tokens)) / self.cfg.page_size) - len(conv.pages)
-            if need > 0:
+            if conv.id in preempted:
+                continue
+            while (need := math.ceil((conv.computed + len(w.tokens)) / self.cfg.page_size) - len(conv.pages)) > 0:
                 in_table = set(conv.pages)
                 take = [p for p in conv.own_pages if p not in in_table][:need]  # naive: reserved up front
                 try:
                     new = take + (self.cache.alloc(need - len(take)) if need > len(take) else [])
                 except OutOfPages:
                     self.stats.out_of_pages += 1
-                    continue  # this conversation waits a tick; nobody else's pages are touched
+                    victim = self._victim(conv, busy - preempted)
+                    if victim is not None:
+                        self._preempt(victim)
+                        preempted.add(victim.id)
+                        kept = [k for k in kept if k.conv is not victim]
+                        if victim is conv:
+                            break
+                        continue
+                    s = self.cache.stats()
+                    fit = (len(conv.pages) + s.free + s.cached_evictable) * self.cfg.page_size - conv.computed
+                    if not w.decode and 0 < fit < len(w.tokens):
+                        w = Work(conv, w.tokens[:fit], False)
+                        continue
+                    break  # this conversation waits a tick
                 conv.pages += new
                 owned = set(conv.own_pages)
                 conv.own_pages += [p for p in new if p not in owned]
-            kept.append(w)
+            else:
+                kept.append(w)
         return kept
+
+    def _victim(self, conv: Conversation, busy: set[str]) -> Conversation | None:
+        """Whose pages `conv` may take (see `_reserve_pages`); None: it waits."""
+        if self.cache.pages_on_open(self.cfg.max_context):
+            return None  # naive reserved every page at open: it never runs short
+        others = [c for c in self.convs.values() if c.own_pages and c is not conv]
+        idle = [
+            c
+            for c in others
+            if c.id not in busy and c.mode == "turn" and c.phase is Phase.LISTEN and c.step_token(c.computed) is None
+        ]
+        if conv.phase is Phase.LISTEN and conv.user_frames <= conv.idle_frames:
+            return None  # preempted while idle and nothing new since: it recomputes into spare pages only
+        if idle:
+            return min(idle, key=lambda c: c.last_active)
+        if not conv.own_pages:
+            return None  # not started (or preempted): it takes no running conversation's pages
+        return max([*others, conv], key=lambda c: c.opened_at)
+
+    def _preempt(self, conv: Conversation) -> None:
+        """Give back a conversation's pages and recompute its K/V later (its frames are kept). Its full pages go to
+        the prefix cache first, so what is not evicted meanwhile comes back on its next match."""
+        if conv.mode == "turn" and conv.phase is Phase.LISTEN:
+            conv.idle_frames = conv.user_frames
+        self._insert(conv, lock=False)
+        self.cache.release(conv.own_pages)
+        if conv.handle is not None:
+            self.cache.unlock(conv.handle)
+        conv.own_pages, conv.pages, conv.handle = [], [], None
+        conv.computed, conv.last_logits = 0, None
+        conv.seen_inserts, conv.open_key_steps = -1, 0  # re-match at once; what it gets back counts as hits
+        self.stats.preempted += 1
 
     def _forward(self, work: list[Work]) -> None:
         convs = [w.conv for w in work]
@@ -578,6 +632,7 @@ class Engine:
         out = self.model.forward_paged(tokens, batch, self.pool.k, self.pool.v)
         now = self.clock()
         for i, w in enumerate(work):
+            w.conv.last_active = now
             w.conv.computed += len(w.tokens)
             w.conv.last_logits = out.logits[i]
             turn = w.conv.turns[-1] if w.conv.turns else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -150,6 +152,28 @@ def test_conversations_opening_together_compute_a_shared_prompt_once(model, tok,
     assert computed["paged"] == 4 * 150 and hit["paged"] == 0
     # the first computes all 150 steps; the others get 144 (9 full pages) back and compute the last 6
     assert computed[mode] == 150 + 3 * 6 and hit[mode] == 3 * 144
+
+
+@pytest.mark.parametrize("mode", ["paged", "exact", "radix"])
+def test_out_of_pages_preempts_the_last_opened_and_every_reply_finishes(model, tok, mode: str) -> None:
+    """Three conversations in pages for about one: without preemption each would hold some pages and wait for one
+    more for ever. With it, every turn is answered, and with the replies a roomy engine gives (greedy)."""
+    prompt = tok.encode(speech(0.5, seed=99))[0]
+    replies, preempted = {}, {}
+    for pages in (400, 14):
+        engine = make(model, tok, mode, num_pages=pages, admission_headroom=math.inf)
+        cids = [engine.open("turn", prompt=prompt, sampling=GREEDY, admit=False) for _ in range(3)]
+        replies[pages] = run_turns(engine, cids, turns=2)
+        preempted[pages] = engine.stats.preempted
+        engine.cache.check()
+        for c in cids:
+            engine.close(c)
+        engine.cache.check()
+        assert engine.cache.stats().private == 0
+    assert preempted[400] == 0 and preempted[14] > 0
+    for cid, got in replies[14].items():
+        for a, b in zip(replies[400][cid], got, strict=True):
+            assert np.array_equal(a, b), cid
 
 
 class SimClock:
