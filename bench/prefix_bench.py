@@ -101,9 +101,11 @@ class Scale:
     fit_pages: int
     arrival_rate: float  # conversations per second (Poisson), shared/multiturn/branching/unique
     rounds: int  # every (workload, mode) is run this often, the order of modes rotating; TTFA samples pooled
+    question_s: float | None = None  # questions cut to this many seconds (--quick: streamed turns take real time)
+    stall_s: float = 4.0  # a run with no audio out and no open this long has stalled (`Driver.run`)
 
 
-QUICK = Scale(2, 2, 150, 24, [0.6], 3, 2, 3, 6, 512, 4.0, 1)
+QUICK = Scale(2, 2, 150, 24, [0.6], 3, 2, 3, 6, 512, 8.0, 1, question_s=0.4, stall_s=1.5)
 FULL = Scale(4, 4, 300, 32, [0.0, 0.3, 0.6, 0.9], 5, 4, 6, 12, 1024, 4.0, 3)
 
 
@@ -368,10 +370,10 @@ class Run:
     conversations: int
 
 
-def run_once(engine: Engine, scripts_of: Callable[[Driver], list[Script]], streamed: bool) -> Run:
+def run_once(engine: Engine, scripts_of: Callable[[Driver], list[Script]], streamed: bool, stall_s: float) -> Run:
     d = Driver(engine, streamed=streamed)
     scripts = scripts_of(d)
-    return Run(d, engine, d.run(scripts), len(scripts))
+    return Run(d, engine, d.run(scripts, stall_s), len(scripts))
 
 
 def summarize(runs: list[Run]) -> dict:
@@ -422,7 +424,8 @@ def summarize(runs: list[Run]) -> dict:
 
 def fit_count(model: S2SModel, tok: EncodecTokenizer, mode: str, scale: Scale, clip_frames: int) -> dict:
     """Conversations on one shared prompt, each with its own tail (a turn's worth of codes), opened one at a time in
-    a pool of `fit_pages`, each prefilled before the next opens, until one is refused or cannot get its pages."""
+    a pool of `fit_pages`, each prefilled before the next opens, until one is refused or cannot get its pages
+    without preempting a resident one (which the engine would do: then they no longer all fit)."""
     max_convs = 256
     engine = make_engine(model, tok, mode, scale.fit_pages + 1, scale, max_conversations=max_convs)
     rng = np.random.default_rng(7)
@@ -437,13 +440,13 @@ def fit_count(model: S2SModel, tok: EncodecTokenizer, mode: str, scale: Scale, c
             reason = "refused at open"
             break
         conv = engine.convs[cid]
-        while len(conv.ready_steps(1)):
+        while len(conv.ready_steps(1)) and not engine.stats.preempted:
             waits = engine.stats.out_of_pages
             engine.step()
             if engine.stats.out_of_pages > waits and len(conv.ready_steps(1)):
                 break
-        if len(conv.ready_steps(1)):
-            reason = "out of pages"
+        if len(conv.ready_steps(1)) or engine.stats.preempted:
+            reason = "out of pages" + (": the next preempts a resident one" if engine.stats.preempted else "")
             break
         fitted += 1
     return {
@@ -525,6 +528,8 @@ def main(argv: list[str] | None = None) -> None:
     tok = EncodecTokenizer.from_pretrained(None, bandwidth=1.5)
     model = S2SModel.from_seed(ModelConfig.preset(args.preset, num_codebooks=tok.num_codebooks), seed=0)
     clips = [synthesize(q, words_per_minute=WORDS_PER_MINUTE) for q in QUESTIONS]
+    if scale.question_s:
+        clips = [c[: round(scale.question_s * SAMPLE_RATE)] for c in clips]
     clip_frames = round(np.mean([len(c) for c in clips]) / 320)
     env = {**environment(), "quick": args.quick, "preset": args.preset, **asdict(scale), "page_size": PAGE}
     env |= {"frames_per_tick": FRAMES_PER_TICK, "max_context": MAX_CONTEXT, "prefill_budget": 256}
@@ -541,7 +546,9 @@ def main(argv: list[str] | None = None) -> None:
     plan.append(("branching", 2 / 3, branching_scripts, lambda: roomy))
     plan.append(("unique", 0.0, lambda d, w: shared_scripts(d, w, 0.0), lambda: roomy))
     warm = Workload(scale, clips, 99)  # a throwaway run first: one-time costs (allocators, kernels) hit no mode
-    run_once(make_engine(model, tok, "paged", roomy, scale), lambda d: shared_scripts(d, warm, 0.0), streamed)
+    run_once(
+        make_engine(model, tok, "paged", roomy, scale), lambda d: shared_scripts(d, warm, 0.0), streamed, scale.stall_s
+    )
     runs: dict[tuple[str, float, str], list[Run]] = {}
     pressure_w = Workload(scale, clips, 2)
     budget = pressure_working_set(pressure_w) // 2
@@ -555,7 +562,7 @@ def main(argv: list[str] | None = None) -> None:
             w.arrivals[:] = 0.0
         engine = make_engine(model, tok, mode, pages_of(), scale)
         runs.setdefault((name, fraction, mode), []).append(
-            run_once(engine, lambda d, s=scripts_of, w=w: s(d, w), streamed)
+            run_once(engine, lambda d, s=scripts_of, w=w: s(d, w), streamed, scale.stall_s)
         )
     pressure_jobs = [
         (name, MODES[(r + k) % len(MODES)])
@@ -568,7 +575,7 @@ def main(argv: list[str] | None = None) -> None:
         headroom = EngineConfig.admission_headroom if name == "pressure" else math.inf
         engine = make_engine(model, tok, mode, budget + 1, scale, admission_headroom=headroom)
         runs.setdefault((name, 0.6, mode), []).append(
-            run_once(engine, lambda d, p=phase: pressure_scripts(d, pressure_w, p), streamed)
+            run_once(engine, lambda d, p=phase: pressure_scripts(d, pressure_w, p), streamed, scale.stall_s)
         )
     rows = [
         {"workload": name, "mode": mode, "shared_fraction": fraction, **summarize(rs)}

@@ -727,8 +727,8 @@ class Engine:
             return
         page = self.cfg.page_size
         for conv in self.convs.values():
-            if conv.seen_inserts == self._inserts or conv.step_token(conv.computed + 1) is None:
-                continue  # nothing new in the cache, or no prefill waiting (a decode step at most)
+            if conv.seen_inserts == self._inserts or conv.step_token(conv.computed + page) is None:
+                continue  # nothing new in the cache, or less than a page of prefill waiting
             conv.seen_inserts = self._inserts
             known = conv.known_steps()
             m = self.cache.match(conv.key(known), record=False)
