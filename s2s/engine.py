@@ -161,6 +161,7 @@ class Engine:
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by `end_turn`: the engine thread ticks at once
         self._lock = threading.RLock()  # guards conversation state against calls from other threads
         self._calibrate()
 
@@ -289,6 +290,7 @@ class Engine:
                 return  # no new speech since the last reply (a second end of turn, from VAD and the client both)
             # stamped on the turn when its reply starts: the turn itself may not exist yet (audio still queued)
             self.pending_end.setdefault(cid, self.clock())
+            self._wake.set()
 
     def interrupt(self, cid: str, played_frames: int) -> None:
         """Barge-in: cancel the reply and keep in the context only the `played_frames` frames the user heard."""
@@ -396,7 +398,9 @@ class Engine:
             next_tick += self.cfg.tick_s
             delay = next_tick - self.clock()
             if delay > 0 and not self._behind():
-                time.sleep(delay)
+                if self._wake.wait(delay):  # a turn ended: its reply starts now, not up to a tick later
+                    self._wake.clear()
+                    next_tick = self.clock()
             elif delay <= 0:
                 next_tick = self.clock()  # late: start the next tick now, and count from there
 

@@ -380,6 +380,21 @@ def test_threaded_engine_through_asyncio(model, tok) -> None:
     assert 40 <= frames <= 60  # 0.8 s is 60 frames; the encoder's start-up look-ahead holds a few back
 
 
+def test_end_of_turn_starts_a_tick_at_once(model, tok) -> None:
+    """The engine thread does not sleep out its tick when a turn ends: with 10 s ticks, the reply still starts
+    within seconds of `end_turn` (it would wait for the next tick, 10 s later, otherwise)."""
+    engine = make(model, tok, "radix", frames_per_tick=750)
+    engine.start()
+    try:
+        cid = engine.open("turn", sampling=GREEDY)
+        engine.push_audio(cid, speech(0.4, seed=3))
+        engine.end_turn(cid)
+        first = engine.event_queue(cid).get(timeout=5)  # queue.Empty here means the reply waited for the tick
+        assert isinstance(first, AudioEvent) and first.turn == 0
+    finally:
+        engine.stop()
+
+
 def test_admission_counts_turn_conversations_and_an_idle_engine_admits(model, tok) -> None:
     """Turn-mode conversations count as real-time streams (they may all reply at once); an engine with nobody in it
     admits one whatever its cost model says, so a model soured by an overload cannot lock everyone out."""
