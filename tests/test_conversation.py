@@ -1,0 +1,50 @@
+"""s2s/conversation.py: the vectorized step views (`known_steps`, `ready_steps`, `key`) agree with `step_token`."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from s2s import ModelConfig, SamplingParams
+from s2s.conversation import UNKNOWN, Conversation
+
+
+def by_steps(conv: Conversation, start: int, limit: int) -> list[np.ndarray]:
+    out = []
+    for t in range(start, start + limit):
+        token = conv.step_token(t)
+        if token is None:
+            break
+        out.append(token)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    delays=st.lists(st.integers(0, 3), min_size=2, max_size=3),
+    user_frames=st.integers(0, 40),
+    model_frames=st.integers(0, 40),
+    hole=st.integers(0, 45),
+    computed=st.integers(0, 45),
+    limit=st.integers(1, 20),
+)
+def test_step_views_agree_with_step_token(delays, user_frames, model_frames, hole, computed, limit) -> None:
+    cfg = ModelConfig.preset("tiny", num_codebooks=len(delays), delays=delays)
+    conv = Conversation("c", "turn", cfg, SamplingParams(), 0, 0.0)
+    conv._ensure(max(user_frames, model_frames) + 1)
+    rng = np.random.default_rng(user_frames * 100 + model_frames)
+    conv.user[:user_frames] = rng.integers(0, cfg.codebook_size, size=(user_frames, len(delays)))
+    conv.model[:model_frames] = rng.integers(0, cfg.codebook_size, size=(model_frames, len(delays)))
+    if hole < len(conv.model):
+        conv.model[hole, rng.integers(len(delays))] = UNKNOWN  # one unknown code inside the known frames
+    conv.computed = computed
+
+    known = len(by_steps(conv, 0, 10_000))
+    assert conv.known_steps() == known
+    ready = by_steps(conv, computed, limit)
+    got = conv.ready_steps(limit)
+    assert got.shape == (len(ready), 2 * len(delays))
+    assert all(np.array_equal(a, b) for a, b in zip(got, ready, strict=True))
+    if known:
+        assert np.array_equal(conv.key(known), np.stack(by_steps(conv, 0, known)))
