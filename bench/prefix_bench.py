@@ -59,6 +59,7 @@ import torch
 from tqdm import tqdm
 
 from bench.common import environment, parser, percentiles, print_table, save_outputs
+from cache import CacheStats
 from codec import EncodecTokenizer
 from s2s import ModelConfig, S2SModel, SamplingParams
 from s2s.engine import FRAME_S, AudioEvent, Engine, EngineConfig, MetaEvent, Refused
@@ -114,7 +115,7 @@ class Driver:
     """Runs conversation scripts against one engine: each script yields a condition to wait for; between
     rounds of scripts the engine takes one tick. Records TTFA per label, audio out, refusals, peak K/V."""
 
-    engine: Engine
+    engine: Engine | None  # None once its run is over
     ttfa: dict[str, list[float]] = field(default_factory=dict)
     stages: list[tuple[float, float, float]] = field(default_factory=list)  # (encode+queue, prefill, to audio)
     expecting: dict[str, tuple[float, str]] = field(default_factory=dict)  # cid -> (end of turn, label)
@@ -362,18 +363,37 @@ def make_engine(model: S2SModel, tok: EncodecTokenizer, mode: str, num_pages: in
 
 @dataclass
 class Run:
-    """One run of one workload on one engine."""
+    """One run of one workload on one engine: the driver's records and the engine's counters (the engine itself,
+    and its K/V pool, are let go: 132 pools of a full run would not fit in memory)."""
 
     driver: Driver
-    engine: Engine
     wall: float
     conversations: int
+    compute_s: float
+    cache: CacheStats
+    deadline_misses: int
+    out_of_pages: int
+    bytes_per_page: int
+    num_pages: int
 
 
 def run_once(engine: Engine, scripts_of: Callable[[Driver], list[Script]], streamed: bool, stall_s: float) -> Run:
     d = Driver(engine, streamed=streamed)
     scripts = scripts_of(d)
-    return Run(d, engine, d.run(scripts, stall_s), len(scripts))
+    wall = d.run(scripts, stall_s)
+    run = Run(
+        d,
+        wall,
+        len(scripts),
+        float(np.sum(engine.stats.tick_seconds)),
+        engine.cache.stats(),
+        engine.stats.deadline_misses,
+        engine.stats.out_of_pages,
+        engine.pool.bytes_per_page,
+        engine.pool.num_usable,
+    )
+    d.engine = None
+    return run
 
 
 def summarize(runs: list[Run]) -> dict:
@@ -387,8 +407,8 @@ def summarize(runs: list[Run]) -> dict:
     stages = [st for r in runs for st in r.driver.stages]
     stage = np.median(np.asarray(stages), axis=0) * 1000 if stages else [math.nan] * 3
     audio_s = sum(r.driver.frames_out for r in runs) * FRAME_S
-    compute_s = sum(float(np.sum(r.engine.stats.tick_seconds)) for r in runs)
-    stats = [r.engine.cache.stats() for r in runs]
+    compute_s = sum(r.compute_s for r in runs)
+    stats = [r.cache for r in runs]
     hits, misses = sum(s.hit_steps for s in stats), sum(s.missed_steps for s in stats)
     peak = max(r.driver.peak_pages for r in runs)
     row = {
@@ -403,14 +423,14 @@ def summarize(runs: list[Run]) -> dict:
         "first_audio_ms_p50": float(stage[2]),
         "throughput_x_realtime": audio_s / sum(r.wall for r in runs),
         "rtf_mean": compute_s / audio_s if audio_s else math.nan,
-        "deadline_misses": sum(r.engine.stats.deadline_misses for r in runs),
+        "deadline_misses": sum(r.deadline_misses for r in runs),
         "hit_rate": hits / max(1, hits + misses),
         "hit_steps": hits,
-        "peak_mem_bytes": peak * runs[0].engine.pool.bytes_per_page,
+        "peak_mem_bytes": peak * runs[0].bytes_per_page,
         "peak_pages": peak,
-        "num_pages": runs[0].engine.pool.num_usable,
+        "num_pages": runs[0].num_pages,
         "refusals": sum(r.driver.refusals for r in runs),
-        "out_of_pages_waits": sum(r.engine.stats.out_of_pages for r in runs),
+        "out_of_pages_waits": sum(r.out_of_pages for r in runs),
         "evicted_pages": sum(s.evicted_pages for s in stats),
         "stalled": sum(r.driver.stalled for r in runs),
         "wall_s": sum(r.wall for r in runs),
