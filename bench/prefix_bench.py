@@ -4,13 +4,16 @@
 
 In-process, no sockets: one `Engine` per mode, built identically but for `cache_mode`, driven by hand
 (`engine.step()` as fast as it goes, the wall clock as its clock), with the same arrivals, audio and seeds, modes
-back to back. Turn mode throughout. A user turn is espeak-ng speech (synthesized once) that arrives whole, as
-SGLang's benchmark sends whole requests: `push_audio` of the utterance, then `end_turn`, at once. TTFA runs from
-that `end_turn` call to the `first_audio_out` stamp of the reply's first AudioEvent, so it holds encoding the
-utterance (the same work in every mode), prefill of whatever the cache did not give back, the first steps and the
-first decode; the rows split it at `reply_start` (audio encoded) and `prefill_done`. Prompts are codes: a group's
-prompt is random codes; with shared fraction f, a conversation's prompt is its group's first f * P frames then
-P - f * P random frames of its own (SGLang's generated-shared-prefix benchmark: system prompt, then a question).
+back to back. Turn mode throughout. A user turn is espeak-ng speech (synthesized once) that arrives as
+a client sends it (`--user-turn streamed`, the default: 80 ms blocks in real time, each once its last sample has
+been spoken) or as SGLang's benchmark sends whole requests (`--user-turn whole`: `push_audio` of the utterance,
+then `end_turn`, at once). TTFA runs from that `end_turn` call (right after the last block) to the
+`first_audio_out` stamp of the reply's first AudioEvent, so it holds encoding what is not encoded yet (the same
+work in every mode), prefill of whatever the cache did not give back and the user's speech did not hide, the first
+steps and the first decode; the rows split it at `reply_start` (audio encoded) and `prefill_done`. Prompts are
+codes: a group's prompt is random codes; with shared fraction f, a conversation's prompt is its group's first
+f * P frames then P - f * P random frames of its own (SGLang's generated-shared-prefix benchmark: system prompt,
+then a question).
 
 Workloads (SGLang's defaults are 64 groups x 16 prompts, a 2,048-token system prompt, 128-token questions and
 256-token outputs; scaled down to the tiny preset on 2 CPU cores, numbers in every JSON row):
@@ -20,6 +23,9 @@ Workloads (SGLang's defaults are 64 groups x 16 prompts, a 2,048-token system pr
 - shared, at once: the same, every conversation arriving at t = 0, as SGLang's benchmark sends them (request rate
   inf). The engine re-matches the cache when it schedules a prefill and computes a page that several waiting
   conversations share once, so conversations that arrive together share what the first of them computes;
+- long prompts, at once: a few conversations (4) at t = 0 on prompts of 2,048 frames (SGLang's system-prompt
+  length; 27 s of audio), sharing 60 or 90 %: the prefill that is left when the user stops speaking is where a
+  cache can shorten TTFA, and this is the workload that leaves some (with a model whose prefill is not free);
 - multiturn: S conversations of 5 turns; between turns the client hangs up and comes back (`resume=True`), so each
   turn reopens with the whole history, as SGLang's multi-turn benchmark resends it (a live conversation keeps its
   K/V in every mode);
@@ -68,6 +74,7 @@ from server.speech import synthesize
 MODES = ("naive", "paged", "exact", "radix")
 PAGE, FRAMES_PER_TICK, MAX_CONTEXT, PREFILL_BUDGET = 16, 4, 4096, 256
 WORDS_PER_MINUTE = 220
+LONG = "long prompts, at once"  # a few conversations at t = 0 on prompts of SGLang's length (2,048)
 AT_ONCE = "shared, at once"  # the shared workload with every conversation arriving at t = 0, as SGLang sends it
 SAMPLE_RATE, BLOCK = 24000, 1920  # user audio in 80 ms blocks when streamed
 BARGE_IN_FRAMES = 11  # frames of the reply the user hears before speaking over it (not a page boundary)
@@ -102,11 +109,13 @@ class Scale:
     fit_pages: int
     arrival_rate: float  # conversations per second (Poisson), shared/multiturn/branching/unique
     rounds: int  # every (workload, mode) is run this often, the order of modes rotating; TTFA samples pooled
+    long_prompt_frames: int = 2048  # "long prompts, at once": SGLang's system-prompt length, in frames
+    long_prompt_convs: int = 4
     question_s: float | None = None  # questions cut to this many seconds (--quick: streamed turns take real time)
     stall_s: float = 4.0  # a run with no audio out and no open this long has stalled (`Driver.run`)
 
 
-QUICK = Scale(2, 2, 150, 24, [0.6], 3, 2, 3, 6, 512, 8.0, 1, question_s=0.4, stall_s=1.5)
+QUICK = Scale(2, 2, 150, 24, [0.6], 3, 2, 3, 6, 512, 8.0, 1, 600, 2, question_s=0.4, stall_s=1.5)
 FULL = Scale(4, 4, 300, 32, [0.0, 0.3, 0.6, 0.9], 5, 4, 6, 12, 1024, 4.0, 3)
 
 
@@ -247,11 +256,22 @@ class Workload:
         n = scale.groups * scale.per_group
         gaps = self.rng.exponential(1 / scale.arrival_rate, size=n - 1)
         self.arrivals = np.concatenate([[0.0], np.cumsum(gaps)])
+        self._long_seed = 10_000 + seed
 
     def prompt(self, group: int, fraction: float) -> np.ndarray:
         shared = round(fraction * self.scale.prompt_frames)
         own = self.rng.integers(0, 1024, size=(2, self.scale.prompt_frames - shared))
         return np.concatenate([self.group_prompts[group][:, :shared], own], axis=1)
+
+    def long_prompt(self, fraction: float) -> np.ndarray:
+        """A `long_prompt_frames` prompt whose first `fraction` is one shared prompt (its own seeded stream, so the
+        other workloads' prompts do not depend on it)."""
+        n = self.scale.long_prompt_frames
+        rng = np.random.default_rng(self._long_seed)
+        self._long_seed += 1
+        shared = round(fraction * n)
+        common = np.random.default_rng(4242).integers(0, 1024, size=(2, n))[:, :shared]
+        return np.concatenate([common, rng.integers(0, 1024, size=(2, n - shared))], axis=1)
 
 
 def shared_scripts(d: Driver, w: Workload, fraction: float) -> list[Script]:
@@ -265,6 +285,17 @@ def shared_scripts(d: Driver, w: Workload, fraction: float) -> list[Script]:
 
     n = w.scale.groups * w.scale.per_group
     return [conv(i, w.prompt(i % w.scale.groups, fraction)) for i in range(n)]
+
+
+def long_prompt_scripts(d: Driver, w: Workload, fraction: float) -> list[Script]:
+    """`long_prompt_convs` conversations at t = 0 on long prompts sharing `fraction`, one turn each."""
+
+    def conv(i: int, prompt: np.ndarray) -> Script:
+        cid = yield from d.open(prompt=prompt, sampling=SamplingParams(seed=i))
+        yield from d.speak(cid, w.clips[i % len(w.clips)], "turn")
+        d.engine.close(cid)
+
+    return [conv(i, w.long_prompt(fraction)) for i in range(w.scale.long_prompt_convs)]
 
 
 def multiturn_scripts(d: Driver, w: Workload) -> list[Script]:
@@ -373,6 +404,7 @@ class Run:
     cache: CacheStats
     deadline_misses: int
     out_of_pages: int
+    prefill_steps: int
     bytes_per_page: int
     num_pages: int
 
@@ -389,6 +421,7 @@ def run_once(engine: Engine, scripts_of: Callable[[Driver], list[Script]], strea
         engine.cache.stats(),
         engine.stats.deadline_misses,
         engine.stats.out_of_pages,
+        engine.stats.prefill_steps,
         engine.pool.bytes_per_page,
         engine.pool.num_usable,
     )
@@ -431,6 +464,7 @@ def summarize(runs: list[Run]) -> dict:
         "num_pages": runs[0].num_pages,
         "refusals": sum(r.driver.refusals for r in runs),
         "out_of_pages_waits": sum(r.out_of_pages for r in runs),
+        "prefill_steps": sum(r.prefill_steps for r in runs) / len(runs),
         "evicted_pages": sum(s.evicted_pages for s in stats),
         "stalled": sum(r.driver.stalled for r in runs),
         "wall_s": sum(r.wall for r in runs),
@@ -517,12 +551,16 @@ def plot(rows: list[dict], path, title: str) -> None:
         ax.set(xlabel="shared fraction of the prompt", ylabel="TTFA ms", title=f"shared voice prompts, {title}")
         ax.legend(fontsize=7, ncol=2)
     others = [r for r in rows if r["workload"] not in ("shared", AT_ONCE, "fit")]
-    names = sorted({r["workload"] for r in others})
+    names = sorted({(r["workload"], r["shared_fraction"]) for r in others})
     width = 0.2
     for k, mode in enumerate(MODES):
-        vals = [next(r["ttfa_ms_p95"] for r in others if r["workload"] == n and r["mode"] == mode) for n in names]
+        vals = [
+            next(r["ttfa_ms_p95"] for r in others if (r["workload"], r["shared_fraction"]) == n and r["mode"] == mode)
+            for n in names
+        ]
         axes[2].bar(np.arange(len(names)) + (k - 1.5) * width, vals, width, label=mode)
-    axes[2].set_xticks(np.arange(len(names)), names, fontsize=7)
+    labels = [f"{w} {f:.0%}" if w == LONG else w for w, f in names]
+    axes[2].set_xticks(np.arange(len(names)), labels, fontsize=6, rotation=20)
     axes[2].set(ylabel="TTFA p95 ms", title="other workloads")
     axes[2].legend(fontsize=7)
     fig.suptitle(f"Prefix caching on audio workloads, {title}, CPU (same engine, same arrivals)")
@@ -562,6 +600,8 @@ def main(argv: list[str] | None = None) -> None:
         plan.append(("shared", f, lambda d, w, f=f: shared_scripts(d, w, f), lambda: roomy))
     for f in scale.fractions:
         plan.append((AT_ONCE, f, lambda d, w, f=f: shared_scripts(d, w, f), lambda: roomy))
+    for f in [f for f in scale.fractions if f >= 0.6]:
+        plan.append((LONG, f, lambda d, w, f=f: long_prompt_scripts(d, w, f), lambda: roomy))
     plan.append(("multiturn", 0.6, multiturn_scripts, lambda: roomy))
     plan.append(("branching", 2 / 3, branching_scripts, lambda: roomy))
     plan.append(("unique", 0.0, lambda d, w: shared_scripts(d, w, 0.0), lambda: roomy))
@@ -630,6 +670,7 @@ def main(argv: list[str] | None = None) -> None:
         ("throughput_x_realtime", "thru x RT"),
         ("rtf_mean", "RTF"),
         ("hit_rate", "hit rate"),
+        ("prefill_steps", "prefill steps/run"),
         ("peak_mem_bytes", "peak K/V B"),
         ("refusals", "refused"),
         ("stalled", "stalled"),
