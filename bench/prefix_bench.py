@@ -540,7 +540,9 @@ def ratios(rows: list[dict]) -> list[dict]:
 def plot(rows: list[dict], path, title: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 3, figsize=(17, 4))
-    for ax, workload, title in zip(axes, ("shared", AT_ONCE), ("Poisson arrivals, 4/s", "all at t = 0"), strict=False):
+    for ax, workload, arrivals in zip(
+        axes, ("shared", AT_ONCE), ("Poisson arrivals, 4/s", "all at t = 0"), strict=False
+    ):
         shared = [r for r in rows if r["workload"] == workload]
         for mode in MODES:
             pts = sorted(
@@ -548,7 +550,7 @@ def plot(rows: list[dict], path, title: str) -> None:
             )
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{mode} p50")
             ax.plot([p[0] for p in pts], [p[2] for p in pts], marker="x", ls="--", label=f"{mode} p95")
-        ax.set(xlabel="shared fraction of the prompt", ylabel="TTFA ms", title=f"shared voice prompts, {title}")
+        ax.set(xlabel="shared fraction of the prompt", ylabel="TTFA ms", title=f"shared voice prompts, {arrivals}")
         ax.legend(fontsize=7, ncol=2)
     others = [r for r in rows if r["workload"] not in ("shared", AT_ONCE, "fit")]
     names = sorted({(r["workload"], r["shared_fraction"]) for r in others})
