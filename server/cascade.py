@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import urllib.parse
 from collections.abc import AsyncIterator
@@ -43,6 +44,7 @@ from server.speech import synthesize
 from server.stt import Transcriber
 from server.vad import Endpointer, VadConfig
 
+log = logging.getLogger("s2s.cascade")
 SAMPLE_RATE = 24000
 BLOCK = 1920  # audio goes out in 80 ms messages
 CHARS_PER_S = 15.0
@@ -207,7 +209,7 @@ class CascadeServer:
                 elif kind is Kind.CONTROL and payload[0] == Control.END_TURN:
                     endpoint = time.perf_counter()
                 if endpoint is not None and (reply is None or reply.done()):
-                    reply = asyncio.create_task(self._reply(conn, endpoint))
+                    reply = asyncio.create_task(self._reply_or_error(conn, endpoint))
         except ConnectionClosed:
             pass
         finally:
@@ -226,13 +228,34 @@ class CascadeServer:
     async def _transcribe(conn: _Connection) -> None:
         """Speech-to-text beside endpointing (as pipecat runs its STT service): blocks in arrival order; a future
         asks for the final transcript of everything before it; None ends it."""
+        failed: Exception | None = None  # once the recognizer fails, every later transcript request gets the error
         while (item := await conn.stt_in.get()) is not None:
-            if isinstance(item, asyncio.Future):
-                text = await asyncio.to_thread(conn.stt.final)
-                if not item.done():  # not given up on (a reply cancelled as the connection closed)
-                    item.set_result(text)
-            else:
-                await asyncio.to_thread(conn.stt.push, item)
+            try:
+                if failed is not None:
+                    raise failed
+                if isinstance(item, asyncio.Future):
+                    text = await asyncio.to_thread(conn.stt.final)
+                    if not item.done():  # not given up on (a reply cancelled as the connection closed)
+                        item.set_result(text)
+                else:
+                    await asyncio.to_thread(conn.stt.push, item)
+            except Exception as e:  # the reply waiting on it tells its client
+                if failed is None:
+                    log.exception("speech-to-text failed")
+                failed = e
+                if isinstance(item, asyncio.Future) and not item.done():
+                    item.set_exception(e)
+
+    async def _reply_or_error(self, conn: _Connection, endpoint: float) -> None:
+        """`_reply`, with any failure told to the client (0x05) and logged rather than lost in a task."""
+        try:
+            await self._reply(conn, endpoint)
+        except (asyncio.CancelledError, ConnectionClosed):
+            raise
+        except Exception as e:
+            log.exception("cascade reply failed")
+            with contextlib.suppress(ConnectionClosed):
+                await conn.ws.send(protocol.error(f"reply failed: {type(e).__name__}: {e}"))
 
     async def _reply(self, conn: _Connection, endpoint: float) -> None:
         """STT final search, the text decoder's reply streamed into phrases, each phrase spoken as it is ready."""

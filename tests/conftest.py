@@ -2,7 +2,17 @@
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_kernel_built() -> None:
+    """Compile the C++ CPU attention kernel before any test runs (`scripts/setup.sh` does; an older .venv may not
+    have): an engine whose first step waits a minute on the compiler answers nobody, and the test times out."""
+    from kernels import cpu_attention
+
+    cpu_attention.available()
