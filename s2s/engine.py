@@ -592,22 +592,28 @@ class Engine:
         return kept
 
     def _victim(self, conv: Conversation, busy: set[str]) -> Conversation | None:
-        """Whose pages `conv` may take (see `_reserve_pages`); None: it waits."""
+        """Whose pages `conv` may take (see `_reserve_pages`); None: it waits. Pages held only through a cache lock
+        count too: unlocked, they become evictable."""
         if self.cache.pages_on_open(self.cfg.max_context):
             return None  # naive reserved every page at open: it never runs short
-        others = [c for c in self.convs.values() if c.own_pages and c is not conv]
+        if self._dormant(conv):
+            return None  # preempted while idle and nothing new since: it recomputes into spare pages only
+        others = [c for c in self.convs.values() if c.pages and c is not conv]
         idle = [
             c
             for c in others
             if c.id not in busy and c.mode == "turn" and c.phase is Phase.LISTEN and c.step_token(c.computed) is None
         ]
-        if conv.phase is Phase.LISTEN and conv.user_frames <= conv.idle_frames:
-            return None  # preempted while idle and nothing new since: it recomputes into spare pages only
         if idle:
             return min(idle, key=lambda c: c.last_active)
-        if not conv.own_pages:
+        if not conv.pages:
             return None  # not started (or preempted): it takes no running conversation's pages
         return max([*others, conv], key=lambda c: c.opened_at)
+
+    @staticmethod
+    def _dormant(conv: Conversation) -> bool:
+        """Preempted while listening, and no new user frames since: it has nothing to answer yet."""
+        return conv.phase is Phase.LISTEN and conv.user_frames <= conv.idle_frames
 
     def _preempt(self, conv: Conversation) -> None:
         """Give back a conversation's pages and recompute its K/V later (its frames are kept). Its full pages go to
@@ -733,6 +739,8 @@ class Engine:
         for conv in self.convs.values():
             if conv.seen_inserts == self._inserts or conv.step_token(conv.computed + page) is None:
                 continue  # nothing new in the cache, or less than a page of prefill waiting
+            if self._dormant(conv):
+                continue  # locking its old pages again would take them from whoever preempted it
             conv.seen_inserts = self._inserts
             known = conv.known_steps()
             m = self.cache.match(conv.key(known), record=False)

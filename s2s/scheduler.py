@@ -58,7 +58,7 @@ class Scheduler:
         for conv, tokens in waiting:
             if budget <= 0:
                 break
-            if self.page_size is not None and len(tokens) >= self.page_size:
+            if self.page_size is not None and len(tokens) > self.page_size:  # as `Engine._rematch` requires
                 shared = (
                     conv.computed,
                     tuple(conv.pages[: conv.computed // self.page_size]),

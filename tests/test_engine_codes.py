@@ -113,3 +113,36 @@ def test_speech_engine_reply_to_codes_is_audio() -> None:
     assert sum(len(e.pcm) for e in events if isinstance(e, AudioEvent)) == 12 * 320
     assert not any(isinstance(e, CodesEvent) for e in events)
     assert engine.convs[cid].turns[-1].first_frame == 0
+
+
+@pytest.mark.parametrize("mode", ["paged", "exact", "radix"])
+@pytest.mark.parametrize("pages", [9, 11, 14])
+def test_two_conversations_in_pages_for_one_both_answer(text_model, mode: str, pages: int) -> None:
+    """Found in review: an idle listener preempted for a replying conversation locked its cached pages again on the
+    next tick, and a conversation holding pages only through a cache lock was never a victim, so both waited for
+    ever. Each conversation needs 7 of the 8-13 usable pages; both must answer, with the replies a roomy engine
+    gives (greedy)."""
+    answers = {}
+    for num_pages in (200, pages):
+        engine = Engine(
+            text_model,
+            None,
+            EngineConfig(
+                cache_mode=mode, max_context=512, num_pages=num_pages, max_reply_frames=12,
+                calibration_ticks=0, prefill_budget=32, admission_headroom=float("inf"),
+            ),
+        )  # fmt: skip
+        g = np.random.default_rng(0)
+        cids = [engine.open("turn", sampling=GREEDY, admit=False) for _ in range(2)]
+        for cid in cids:
+            engine.push_codes(cid, g.integers(0, 256, (1, 100)))
+            engine.end_turn(cid)
+        for _ in range(300):
+            engine.step()
+            convs = [engine.convs[c] for c in cids]
+            if all(c.phase is Phase.LISTEN and c.turns[-1].reply_end is not None for c in convs):
+                break
+        engine.cache.check()
+        answers[num_pages] = [engine.convs[c].model[100:112, 0].copy() for c in cids]
+        assert all(engine.convs[c].turns[-1].reply_end is not None for c in cids), "a conversation never answered"
+    assert all(np.array_equal(a, b) for a, b in zip(answers[200], answers[pages], strict=True))
