@@ -35,17 +35,16 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from bench.common import environment, parser, peak_rss_bytes, percentiles, print_table, save_outputs
+from codec.tokenizer import FRAME_SIZE, SAMPLE_RATE
 from s2s import ModelConfig
 from server import protocol
 from server.app import metadata_of
+from server.client import BLOCK
 from server.process import ServerProcess
 from server.protocol import Kind
 from server.speech import synthesize
 from server.vad import Endpointer, VadConfig
 
-RATE = 24000
-BLOCK = 1920
-FRAME = 320
 SILENT = 0.005  # |sample| above this is speech
 PRESET = "small"
 SENTENCES = [
@@ -78,7 +77,7 @@ def clips(silences: list[float], count: int) -> list[Clip]:
     for text in SENTENCES[:count]:
         wav = synthesize(text)
         eos = int(np.flatnonzero(np.abs(wav) > SILENT)[-1])
-        pcm = np.concatenate([wav, np.zeros(int(RATE * (max(silences) + 0.4)), dtype=np.float32)])
+        pcm = np.concatenate([wav, np.zeros(int(SAMPLE_RATE * (max(silences) + 0.4)), dtype=np.float32)])
         for s in silences:
             vad, ends = Endpointer(VadConfig(silence_s=s)), []
             for a in range(0, len(pcm), BLOCK):
@@ -103,11 +102,13 @@ async def one_turn(url: str, clip: Clip, system: str, query: str, timeout_s: flo
     """One utterance on a fresh connection, measured as the module docstring says."""
     result = TurnResult()
     start = time.perf_counter()
-    eos_at = start + (clip.eos + 1) / RATE  # when the speaker stopped, in real time
+    eos_at = start + (clip.eos + 1) / SAMPLE_RATE  # when the speaker stopped, in real time
     sent_at: list[float] = []  # block i left the client
     received = 0  # duplex: samples of model audio so far
     first_audio: float | None = None
-    target = (clip.eos // FRAME + max_delay + 1 + 1) * FRAME  # duplex: samples up to the end of that model frame
+    target = (
+        clip.eos // FRAME_SIZE + max_delay + 1 + 1
+    ) * FRAME_SIZE  # duplex: samples up to the end of that model frame
     done = asyncio.Event()
     meta: dict = {}
 
@@ -144,10 +145,10 @@ async def one_turn(url: str, clip: Clip, system: str, query: str, timeout_s: flo
         reader = asyncio.create_task(receive())
         silence = np.zeros(BLOCK, dtype=np.float32)
         try:
-            for i in range(int((len(clip.pcm) / RATE + timeout_s) * RATE / BLOCK)):
+            for i in range(int((len(clip.pcm) / SAMPLE_RATE + timeout_s) * SAMPLE_RATE / BLOCK)):
                 a = i * BLOCK
                 block = clip.pcm[a : a + BLOCK] if a < len(clip.pcm) else silence
-                await asyncio.sleep(max(0.0, start + (i + 1) * BLOCK / RATE - time.perf_counter()))
+                await asyncio.sleep(max(0.0, start + (i + 1) * BLOCK / SAMPLE_RATE - time.perf_counter()))
                 if done.is_set():
                     break
                 await ws.send(protocol.audio((np.clip(block, -1, 1) * 32767).astype("<i2").tobytes()))
@@ -161,7 +162,7 @@ async def one_turn(url: str, clip: Clip, system: str, query: str, timeout_s: flo
     if first_audio is None or result.refused:
         return result
     if system == "duplex":
-        frame_in = sent_at[((clip.eos // FRAME + 1) * FRAME - 1) // BLOCK]
+        frame_in = sent_at[((clip.eos // FRAME_SIZE + 1) * FRAME_SIZE - 1) // BLOCK]
         result.latency_s = result.ttfa_s = first_audio - frame_in
         result.stages = {"duplex": result.latency_s}
         return result

@@ -67,8 +67,10 @@ from tqdm import tqdm
 from bench.common import environment, parser, percentiles, print_table, save_outputs
 from cache import CacheStats
 from codec import EncodecTokenizer
+from codec.tokenizer import SAMPLE_RATE
 from s2s import ModelConfig, S2SModel, SamplingParams
 from s2s.engine import FRAME_S, AudioEvent, Engine, EngineConfig, MetaEvent, Refused
+from server.client import BLOCK  # user audio in 80 ms blocks when streamed
 from server.speech import synthesize
 
 MODES = ("naive", "paged", "exact", "radix")
@@ -76,7 +78,6 @@ PAGE, FRAMES_PER_TICK, MAX_CONTEXT, PREFILL_BUDGET = 16, 4, 4096, 256
 WORDS_PER_MINUTE = 220
 LONG = "long prompts, at once"  # a few conversations at t = 0 on prompts of SGLang's length (2,048)
 AT_ONCE = "shared, at once"  # the shared workload with every conversation arriving at t = 0, as SGLang sends it
-SAMPLE_RATE, BLOCK = 24000, 1920  # user audio in 80 ms blocks when streamed
 BARGE_IN_FRAMES = 11  # frames of the reply the user hears before speaking over it (not a page boundary)
 QUESTIONS = [
     "Will it rain tomorrow?",

@@ -35,18 +35,18 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 
+from codec.tokenizer import SAMPLE_RATE
 from s2s import AudioEvent, Engine, EngineConfig, MetaEvent, ModelConfig, Refused, S2SModel, SamplingParams
 from s2s.engine import CodesEvent
 from server import protocol
 from server.app import ChatServer
+from server.client import BLOCK  # audio goes out in 80 ms messages, as clients send it
 from server.protocol import Control, Kind, ProtocolError
 from server.speech import synthesize
 from server.stt import Transcriber
 from server.vad import Endpointer, VadConfig
 
 log = logging.getLogger("s2s.cascade")
-SAMPLE_RATE = 24000
-BLOCK = 1920  # audio goes out in 80 ms messages
 CHARS_PER_S = 15.0
 FRAMES_PER_CHAR = 75 / CHARS_PER_S
 PHRASE_CHARS = 20
