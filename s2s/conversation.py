@@ -130,24 +130,30 @@ class Conversation:
         model = np.where(frames < 0, self.cfg.pad_id, self.model[safe, idx])
         return np.concatenate([user, model], axis=1)
 
-    def known_steps(self) -> int:
-        """How many steps from 0 on are known (contiguous)."""
-        stop = max(0, len(self.user) + int(self.delays.min()))
-        unknown = np.flatnonzero((self._tokens(0, stop) == UNKNOWN).any(axis=1))
-        return int(unknown[0]) if len(unknown) else stop
+    def _steps_in_arrays(self) -> int:
+        """Steps from this one on need a frame beyond the stream arrays: none of them is known."""
+        return max(0, len(self.user) + int(self.delays.min()))
+
+    @staticmethod
+    def _known_run(tokens: np.ndarray) -> np.ndarray:
+        """The leading rows of `tokens` with every code known."""
+        unknown = np.flatnonzero((tokens == UNKNOWN).any(axis=1))
+        return tokens[: unknown[0]] if len(unknown) else tokens
+
+    def known_key(self) -> np.ndarray:
+        """The prefix key of every step known so far (contiguous from 0): what a prefix-cache match looks up."""
+        return self._known_run(self._tokens(0, self._steps_in_arrays()))
 
     def ready_steps(self, limit: int) -> np.ndarray:
         """Up to `limit` known steps from `computed` on, as `[n, 2K]` (n may be 0)."""
-        stop = min(self.computed + limit, max(self.computed, len(self.user) + int(self.delays.min())))
-        tokens = self._tokens(self.computed, stop)
-        unknown = np.flatnonzero((tokens == UNKNOWN).any(axis=1))
-        return tokens[: unknown[0]] if len(unknown) else tokens
+        stop = min(self.computed + limit, max(self.computed, self._steps_in_arrays()))
+        return self._known_run(self._tokens(self.computed, stop))
 
     def key(self, steps: int) -> np.ndarray:
         """The prefix key: step tokens 0..steps-1 (all known)."""
         key = self._tokens(0, steps)
-        if (key == UNKNOWN).any():
-            raise ValueError(f"step {int(np.flatnonzero((key == UNKNOWN).any(axis=1))[0])} of the key is not known")
+        if (known := len(self._known_run(key))) < steps:
+            raise ValueError(f"step {known} of the key is not known")
         return key
 
     def wanted(self) -> list[tuple[int, int]]:

@@ -719,9 +719,9 @@ class Engine:
 
     def _attach_cache(self, conv: Conversation) -> None:
         """Match the longest cached prefix of what the conversation knows so far and lock it."""
-        known = conv.open_key_steps = conv.known_steps()
-        conv.seen_inserts = self._inserts
-        m = self.cache.match(conv.key(known)) if known else None
+        key = conv.known_key()
+        conv.open_key_steps, conv.seen_inserts = len(key), self._inserts
+        m = self.cache.match(key) if len(key) else None
         if m is not None and m.cached_steps:
             self.cache.lock(m.handle)
             conv.handle = m.handle
@@ -742,8 +742,9 @@ class Engine:
             if self._dormant(conv):
                 continue  # locking its old pages again would take them from whoever preempted it
             conv.seen_inserts = self._inserts
-            known = conv.known_steps()
-            m = self.cache.match(conv.key(known), record=False)
+            key = conv.known_key()
+            known = len(key)
+            m = self.cache.match(key, record=False)
             cached = min(m.cached_steps, (known - 1) // page * page)  # the last known step's logits are computed
             if cached <= conv.computed:
                 continue

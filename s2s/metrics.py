@@ -50,7 +50,7 @@ class EngineStats:
     ticks: int = 0
     refused: int = 0
     out_of_pages: int = 0
-    preempted: int = 0  # conversations whose pages a decode step took (their K/V is recomputed)
+    preempted: int = 0  # conversations that gave their pages up to another's step (their K/V is recomputed)
     deadline_misses: int = 0
     busy_seconds: float = 0.0  # all ticks' time: its rate over a window is the engine's real-time factor
     prefill_steps: int = 0  # steps computed other than as a sampled decode step (what a prefix cache saves)

@@ -1,4 +1,4 @@
-"""s2s/conversation.py: the vectorized step views (`known_steps`, `ready_steps`, `key`) agree with `step_token`."""
+"""s2s/conversation.py: the vectorized step views (`known_key`, `ready_steps`, `key`) agree with `step_token`."""
 
 from __future__ import annotations
 
@@ -41,10 +41,11 @@ def test_step_views_agree_with_step_token(delays, user_frames, model_frames, hol
     conv.computed = computed
 
     known = len(by_steps(conv, 0, 10_000))
-    assert conv.known_steps() == known
+    assert len(conv.known_key()) == known
     ready = by_steps(conv, computed, limit)
     got = conv.ready_steps(limit)
     assert got.shape == (len(ready), 2 * len(delays))
     assert all(np.array_equal(a, b) for a, b in zip(got, ready, strict=True))
     if known:
         assert np.array_equal(conv.key(known), np.stack(by_steps(conv, 0, known)))
+        assert np.array_equal(conv.known_key(), conv.key(known))
