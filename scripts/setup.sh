@@ -26,7 +26,7 @@ if ! $py -c "import torch" 2>/dev/null; then
 fi
 $py -m pip install -q -e '.[dev]' 2>&1 | grep -v "^WARNING: Location" || true
 $py -c "import codec, s2s" # fails loudly if the install did not take
-# Compile the C++ CPU attention kernel now (about a minute, once per .venv), not in the first model step: an engine
+# Without CUDA, compile the C++ CPU attention kernel now (about a minute, once per .venv), not in the first model step: an engine
 # stalled on the compiler answers nobody, and a test or the demo waiting on it would time out.
-$py -c "from kernels import cpu_attention; cpu_attention.available()"
+$py -c "import torch; from kernels import cpu_attention; torch.cuda.is_available() or cpu_attention.available()"
 bash scripts/setup_moshi_client.sh || echo "setup: the Moshi client did not install; tests/test_moshi_client.py will skip" >&2
