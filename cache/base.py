@@ -43,6 +43,10 @@ class MatchResult:
     cached_steps: int
     pages: list[int]
     handle: Handle
+    # (page, n): a cached page whose first n steps (0 < n < page_size) continue the match past `cached_steps`. The
+    # caller may copy them into a page of its own (`PagePool.copy_steps`) instead of computing them, right away:
+    # the page is not locked. Radix only: a hash chain names whole pages, a tree can compare the steps of one.
+    partial: tuple[int, int] | None = None
 
 
 @dataclass
@@ -92,22 +96,25 @@ class PrefixCache(ABC):
         self._hit_steps = self._missed_steps = self._evicted_pages = self._evicted_live_pages = 0
 
     def match(self, key: Any, record: bool = True) -> MatchResult:
-        """The longest cached prefix of `key` in full pages; adds no reference (lock the handle to keep it).
-        `record=False` leaves the hit and miss counters alone (a re-match; see `record_rematch`)."""
+        """The longest cached prefix of `key` in full pages, never its last step (whose logits the caller has to
+        compute: a conversation given all of its known steps would have nothing to predict from); adds no reference
+        (lock the handle to keep it). `record=False` leaves the hit and miss counters alone (a re-match; see
+        `record_hits`)."""
         key = as_key(key)
-        result = self._match(key)
+        result = self._match(key[: len(key) - 1])
         if record:
             self._record_match(len(key), result.cached_steps)
         return result
 
-    def record_rematch(self, gained: int, from_missed: int) -> None:
-        """A later match gave a conversation `gained` more steps, `from_missed` of which its first match counted as
-        missed: they are hits now."""
+    def record_hits(self, gained: int, from_missed: int) -> None:
+        """The cache gave a conversation `gained` more steps than its match counted (a later re-match, or a partial
+        page copied), `from_missed` of which were counted as missed: they are hits now."""
         self._hit_steps += gained
         self._missed_steps -= from_missed
 
     @abstractmethod
-    def _match(self, key: np.ndarray) -> MatchResult: ...
+    def _match(self, key: np.ndarray) -> MatchResult:
+        """The longest cached prefix of all of `key` (`match` has dropped the last step)."""
 
     @abstractmethod
     def insert(self, key: Any, pages: list[int]) -> Handle:

@@ -4,7 +4,7 @@ Each full page is named by a hash chain, blake2b(parent page's hash + this page'
 only when everything before it is equal too. The table is shared across every conversation. A cached page that
 nobody but the cache references sits in a free LRU queue (a conversation's pages enter it tail first when released,
 so its tail goes before its prefix); `evict` reclaims from the queue's old end and forgets the page's hash. Only
-full pages are matched, and never the key's last step: its logits have to be computed.
+full pages are matched.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class ExactCache(PrefixCache):
 
     def _match(self, key: np.ndarray) -> MatchResult:
         chain, h = [], ROOT_HASH
-        for tokens in page_tokens(key, self.page_size, max(len(key) - 1, 0) // self.page_size):
+        for tokens in page_tokens(key, self.page_size, len(key) // self.page_size):
             h = chain_hash(h, tokens)
             page = self._page_of.get(h)
             if page is None:

@@ -104,6 +104,17 @@ class PagePool:
         self._free.extend(freed)
         return freed
 
+    def copy_steps(self, src: int, dst: int, steps: int) -> None:
+        """Copy the K/V of the first `steps` steps of page `src` into page `dst`, every layer (copy-on-write of a
+        page whose start someone else's K/V already holds)."""
+        if not 0 < steps <= self.page_size:
+            raise ValueError(f"a page holds 1 to {self.page_size} steps, not {steps}")
+        for p in (src, dst):
+            if not 0 < p < self.num_pages or self._refs[p] == 0:
+                raise ValueError(f"copy of page {p}, which is {'free' if 0 < p < self.num_pages else 'not a page'}")
+        for cache in (*self.k, *self.v):
+            cache[dst, :steps] = cache[src, :steps]
+
     def check(self) -> None:
         """Free list and reference counts agree: a page is free exactly when nobody references it."""
         free = set(self._free)

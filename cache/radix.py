@@ -1,10 +1,13 @@
 """RadixCache: SGLang's radix tree over step tokens, shared across every live and finished conversation.
 
 The tree is page-granular: an edge is a run of whole pages, a split never cuts a page, and children are keyed by the
-step tokens of their first page. Locks (`lock_ref`) walk from a node to the root, so a locked node's whole prefix is
-protected. Eviction takes least recently used unlocked leaves, from their tail page backwards, off a heap kept across
-calls: each node has at most one entry, stale entries are dropped or re-pushed when popped, and a node is pushed
-again when it becomes an evictable leaf (unlocked, last child evicted, last page released).
+step tokens of their first page. A match that ends inside a child's first page says so (`MatchResult.partial`):
+the caller copies those steps instead of computing them, which a hash chain over whole pages cannot offer.
+
+Locks (`lock_ref`) walk from a node to the root, so a locked node's whole prefix is protected. Eviction takes least
+recently used unlocked leaves, from their tail page backwards, off a heap kept across calls: each node has at most
+one entry, stale entries are dropped or re-pushed when popped, and a node is pushed again when it becomes an
+evictable leaf (unlocked, last child evicted, last page released).
 """
 
 from __future__ import annotations
@@ -54,7 +57,29 @@ class RadixCache(PrefixCache):
     def _match(self, key: np.ndarray) -> MatchResult:
         node, pages = self._walk(page_tokens(key, self.page_size, len(key) // self.page_size))
         steps = node.end * self.page_size
-        return MatchResult(steps, pages, Handle(node, steps))
+        return MatchResult(steps, pages, Handle(node, steps), self._partial(node, key[steps : steps + self.page_size]))
+
+    def _partial(self, node: Node, rest: np.ndarray) -> tuple[int, int] | None:
+        """The child page of `node` whose leading steps match the most of `rest` (the key's steps after `node`, fewer
+        than a page or a page that differs): (page, steps), or None when no child starts with rest's first step."""
+        if not len(rest):
+            return None
+        want = rest.tobytes()
+        step_bytes = len(want) // len(rest)
+        best, best_steps = None, 0
+        for child in node.children.values():
+            first = child.tokens[0]
+            if first[:step_bytes] != want[:step_bytes]:
+                continue
+            page = np.frombuffer(first, dtype=np.int64)[: rest.size].reshape(rest.shape)
+            differs = np.flatnonzero((page != rest).any(axis=1))
+            steps = int(differs[0]) if len(differs) else len(rest)
+            if steps > best_steps:
+                best, best_steps = child, steps
+        if best is None:
+            return None
+        best.last_access = self._clock  # used: copied from
+        return best.pages[0], best_steps
 
     def insert(self, key: Any, pages: list[int]) -> Handle:
         key = as_key(key)

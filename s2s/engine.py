@@ -531,10 +531,19 @@ class Engine:
         if conv.computed % self.cfg.page_size and len(conv.pages) >= keep:
             last = conv.pages[keep - 1]
             if last not in conv.own_pages or self.pool.refcount(last) > 1:
-                # the cut falls inside a page the prefix cache holds: never write into it, recompute its steps
-                keep -= 1
-                conv.computed = keep * self.cfg.page_size
-                conv.last_logits = None
+                # the cut falls inside a page the prefix cache holds: never write into it; copy the steps before
+                # the cut into a page of its own, or recompute them if there is none to be had
+                copy = self._private_copy(last, conv.computed % self.cfg.page_size)
+                if copy is None:
+                    keep -= 1
+                    conv.computed = keep * self.cfg.page_size
+                    conv.last_logits = None
+                else:
+                    conv.pages[keep - 1] = copy
+                    conv.own_pages.append(copy)
+                    if last in conv.own_pages:
+                        conv.own_pages.remove(last)
+                        self.cache.release([last])
         if self.cache.pages_on_open(self.cfg.max_context) == 0 and len(conv.pages) > keep:
             owned = set(conv.own_pages)
             own = [p for p in conv.pages[keep:] if p in owned]
@@ -722,11 +731,34 @@ class Engine:
         key = conv.known_key()
         conv.open_key_steps, conv.seen_inserts = len(key), self._inserts
         m = self.cache.match(key) if len(key) else None
-        if m is not None and m.cached_steps:
+        if m is None:
+            return
+        if m.cached_steps:
             self.cache.lock(m.handle)
             conv.handle = m.handle
             conv.pages = list(m.pages)
-            conv.computed = conv.cached_at_open = m.cached_steps
+            conv.computed = m.cached_steps
+        if m.partial and (copy := self._private_copy(*m.partial)) is not None:
+            conv.pages.append(copy)
+            conv.own_pages.append(copy)
+            conv.computed += m.partial[1]
+            self.cache.record_hits(m.partial[1], m.partial[1])
+        conv.cached_at_open = conv.computed
+
+    def _private_copy(self, page: int, steps: int) -> int | None:
+        """Copy-on-write: a new page of the caller's own holding the first `steps` steps of `page`, which the cache
+        or another conversation holds (never written into); None when no page can be had (compute them instead)."""
+        self.pool.incref([page])  # keeps it alive while `alloc` evicts
+        try:
+            (copy,) = self.cache.alloc(1)
+        except OutOfPages:
+            return None
+        else:
+            self.pool.copy_steps(page, copy, steps)
+            self.stats.copied_steps += steps
+            return copy
+        finally:
+            self.cache.release([page])
 
     def _rematch(self) -> None:
         """A conversation with prefill waiting takes what the cache gained since it last looked: the pages another
@@ -742,25 +774,29 @@ class Engine:
             if self._dormant(conv):
                 continue  # locking its old pages again would take them from whoever preempted it
             conv.seen_inserts = self._inserts
-            key = conv.known_key()
-            known = len(key)
-            m = self.cache.match(key, record=False)
-            cached = min(m.cached_steps, (known - 1) // page * page)  # the last known step's logits are computed
-            if cached <= conv.computed:
+            m = self.cache.match(conv.known_key(), record=False)
+            cached, table = m.cached_steps, list(m.pages)
+            if cached + (m.partial[1] if m.partial else 0) <= conv.computed:
                 continue
-            self.cache.lock(m.handle)
+            self.cache.lock(m.handle)  # before `_private_copy` allocates: that may evict
+            if m.partial and (copy := self._private_copy(*m.partial)) is not None:
+                cached += m.partial[1]
+                table.append(copy)
+            if cached <= conv.computed:
+                self.cache.unlock(m.handle)
+                self.cache.release(table[len(m.pages) :])
+                continue
             if conv.handle is not None:
                 self.cache.unlock(conv.handle)
             conv.handle = m.handle
-            table = m.pages[: cached // page]
             kept = set(table)
             dropped = [p for p in conv.pages if p not in kept]
             if not set(dropped) <= set(conv.own_pages):
                 raise AssertionError(f"{conv.id}: a matched page left its table on a re-match")
             self.cache.release(dropped)
             gone = set(dropped)
-            conv.own_pages = [p for p in conv.own_pages if p not in gone]
-            self.cache.record_rematch(cached - conv.computed, max(0, min(cached, conv.open_key_steps) - conv.computed))
+            conv.own_pages = [p for p in conv.own_pages if p not in gone] + table[len(m.pages) :]
+            self.cache.record_hits(cached - conv.computed, max(0, min(cached, conv.open_key_steps) - conv.computed))
             conv.pages, conv.computed, conv.last_logits = table, cached, None
 
     def _insert(self, conv: Conversation, lock: bool) -> None:

@@ -54,6 +54,7 @@ class EngineStats:
     deadline_misses: int = 0
     busy_seconds: float = 0.0  # all ticks' time: its rate over a window is the engine's real-time factor
     prefill_steps: int = 0  # steps computed other than as a sampled decode step (what a prefix cache saves)
+    copied_steps: int = 0  # steps whose K/V were copied from a page others hold instead of computed (copy-on-write)
     tick_seconds: deque = field(default_factory=lambda: deque(maxlen=10000))
     last: dict = field(default_factory=dict)
 

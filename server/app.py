@@ -107,6 +107,11 @@ class _EngineCollector:
         yield CounterMetricFamily("s2s_busy_seconds", "time spent in ticks", value=e.stats.busy_seconds)
         yield CounterMetricFamily("s2s_preempted", "conversations preempted for K/V pages", value=e.stats.preempted)
         yield CounterMetricFamily("s2s_prefill_steps", "steps computed as prefill", value=e.stats.prefill_steps)
+        yield CounterMetricFamily(
+            "s2s_copied_steps",
+            "steps whose K/V were copied from a shared page, not computed",
+            value=e.stats.copied_steps,
+        )
         yield CounterMetricFamily("s2s_cache_hit_steps", "prefix cache hit steps", value=cache.hit_steps)
         yield CounterMetricFamily("s2s_cache_missed_steps", "prefix cache missed steps", value=cache.missed_steps)
         ticks = list(e.stats.tick_seconds)[-1000:]

@@ -92,17 +92,40 @@ def test_no_reuse(mode):
     c.check()
 
 
-def test_exact_recomputes_the_last_step():
-    c = new_cache("exact")
+@pytest.mark.parametrize("mode", REUSING)
+def test_a_match_leaves_the_last_step_to_compute(mode):
+    """Its logits are what the conversation predicts from: a radix match of a whole page-aligned key once left a
+    duplex conversation nothing to compute, and it never spoke."""
+    c = new_cache(mode)
     key = tokens(8)
     a = Conv(c, key)
     a.insert()
     assert a.handle.steps == 8, "insert caches every full page"
-    assert c.match(key).cached_steps == 4, "a key of exactly 2 pages matches 1: its last step is recomputed"
+    m = c.match(key)
+    assert m.cached_steps == 4, "a key of exactly 2 pages matches 1: its last step is recomputed"
+    assert m.partial == ((a.table[1], 3) if mode == "radix" else None), "radix offers the 3 steps before it"
     assert c.match(tokens(9)).cached_steps == 8
     assert c.match(tokens(7)).cached_steps == 4
     a.close()
     c.check()
+
+
+def test_radix_offers_the_steps_of_a_partly_matching_page():
+    c = new_cache("radix")
+    a = Conv(c, tokens(12))
+    a.insert()
+    other = tokens(12)
+    other[6, 1] += 1  # page 2 differs from its third step on
+    assert c.match(other).partial == (a.table[1], 2)
+    other[4, 0] += 1  # ... and from its first: nothing to offer
+    assert c.match(other).partial is None
+    short = tokens(7)  # a key that ends inside page 2: its first 2 steps (the last step is left to compute)
+    m = c.match(short)
+    assert (m.cached_steps, m.partial) == (4, (a.table[1], 2))
+    a.close()
+    c.check()
+    with pytest.raises(ValueError, match="1 to 4 steps"):
+        c.pool.copy_steps(a.table[0], a.table[1], 5)
 
 
 @pytest.mark.parametrize("mode", REUSING)
@@ -137,12 +160,12 @@ def test_radix_evicts_least_recently_used_leaf_tail_first():
     for conv in convs:
         conv.insert()
         conv.close()
-    c.match(tokens(8, seed=0))  # conversation 0 is now the most recent
+    c.match(tokens(9, seed=0))  # conversation 0 is now the most recent (a probe one step longer matches all 8)
     assert c.evict(1) == 1
     assert c.evict(2) == 2  # (probing with match in between would make the probed prefix the most recent)
-    assert c.match(tokens(8, seed=1)).cached_steps == 0, "the LRU leaf goes first, tail page first"
-    assert c.match(tokens(8, seed=2)).cached_steps == 4
-    assert c.match(tokens(8, seed=0)).cached_steps == 8
+    assert c.match(tokens(9, seed=1)).cached_steps == 0, "the LRU leaf goes first, tail page first"
+    assert c.match(tokens(9, seed=2)).cached_steps == 4
+    assert c.match(tokens(9, seed=0)).cached_steps == 8
     c.check()
 
 

@@ -78,7 +78,7 @@ class CacheMachine(RuleBasedStateMachine):
     def expected_match(self, key: np.ndarray) -> list[int]:
         if self.mode not in ("exact", "radix"):
             return []
-        limit = (max(len(key) - 1, 0) if self.mode == "exact" else len(key)) // self.ps
+        limit = max(len(key) - 1, 0) // self.ps  # never the last step: its logits have to be computed
         pages = []
         for pre in self.prefixes(key, limit):
             if pre not in self.cached:
@@ -93,6 +93,13 @@ class CacheMachine(RuleBasedStateMachine):
         for t in range(m.cached_steps):
             assert self.pool.k[0][m.pages[t // self.ps], t % self.ps, 0, 0] == values[t], "matched K differs"
             assert self.pool.v[0][m.pages[t // self.ps], t % self.ps, 0, 0] == -values[t], "matched V differs"
+        if m.partial is None:
+            return
+        page, n = m.partial
+        assert self.mode == "radix" and 0 < n < self.ps and m.cached_steps + n < len(key), m.partial
+        assert page in self.cached.values(), "a partial page the cache does not hold"
+        for t in range(n):
+            assert self.pool.k[0][page, t, 0, 0] == values[m.cached_steps + t], "partial page's K differs"
 
     def write(self, conv: Conv, start: int) -> None:
         values = step_values(conv.key)

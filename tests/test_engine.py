@@ -326,10 +326,14 @@ def test_resume_and_regenerate_reuse_the_cache(model, tok) -> None:
     cid = engine.open("turn", sampling=GREEDY, session_id="alice")
     first = run_turns(engine, [cid], turns=1)[cid][0]
     computed = engine.convs[cid].computed
-    # regenerate: same greedy reply, and the user's turn is not computed again
-    engine.regenerate(cid)
+    # regenerate: same greedy reply, and the user's turn is not computed again: the cut falls inside a page the
+    # cache holds, and its steps before the cut are copied into a page of the conversation's own (copy-on-write)
     conv = engine.convs[cid]
-    assert conv.computed <= conv.turns[-1].first_frame + 64 and conv.computed > 0
+    cut = conv.turns[-1].reply_start - 1  # the step that predicts the reply's first frame is computed again
+    assert cut % 16, "the test needs a cut inside a page"
+    engine.regenerate(cid)
+    assert conv.computed == cut and engine.stats.copied_steps == cut % 16
+    assert conv.pages[-1] in conv.own_pages and engine.pool.refcount(conv.pages[-1]) == 1
     before = engine.stats.ticks
     for _ in range(400):
         engine.step()

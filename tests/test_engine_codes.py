@@ -146,3 +146,38 @@ def test_two_conversations_in_pages_for_one_both_answer(text_model, mode: str, p
         answers[num_pages] = [engine.convs[c].model[100:112, 0].copy() for c in cids]
         assert all(engine.convs[c].turns[-1].reply_end is not None for c in cids), "a conversation never answered"
     assert all(np.array_equal(a, b) for a, b in zip(answers[200], answers[pages], strict=True))
+
+
+def duplex_codes(engine: Engine, cid: str, frames: int) -> np.ndarray:
+    """Feed `frames` user frames, one a tick; the model frames the conversation streamed."""
+    for t in range(frames):
+        engine.push_codes(cid, as_bytes("abcdefghijklmnopqrstuvwxyz"[t % 26]))
+        engine.step()
+    q = engine.event_queue(cid)
+    return streamed([q.get() for _ in range(q.qsize())])
+
+
+@pytest.mark.parametrize("mode", ["naive", "paged", "exact", "radix"])
+def test_duplex_on_cached_prompts_speaks_the_same_whatever_the_prefix_reused(text_model, mode: str) -> None:
+    """Duplex conversations on voice prompts that an earlier one cached: one the same (32 steps, two whole pages),
+    one sharing its first 20 steps (a page and 4 steps). Regression: radix matched all 32 steps of the page-aligned
+    prompt, leaving nothing to compute its first frame from, and the conversation never spoke. Exact reuses whole
+    pages but never the key's last step; radix also copies the steps of a partly matching page (copy-on-write)."""
+    g = np.random.default_rng(3)
+    prompt = g.integers(0, 256, (1, 32))
+    branch = np.concatenate([prompt[:, :20], g.integers(0, 256, (1, 12))], axis=1)
+    engine = make(text_model, cache_mode=mode)
+    first = engine.open("duplex", prompt=prompt, sampling=GREEDY)
+    expected = duplex_codes(engine, first, 12)
+    engine.close(first)
+    same = engine.open("duplex", prompt=prompt, sampling=GREEDY)
+    assert engine.convs[same].cached_at_open == {"exact": 16, "radix": 31}.get(mode, 0)
+    assert np.array_equal(duplex_codes(engine, same, 12), expected) and len(expected) == 12
+    engine.close(same)
+    alone = make(text_model, cache_mode="naive")
+    reference = duplex_codes(alone, alone.open("duplex", prompt=branch, sampling=GREEDY), 12)
+    other = engine.open("duplex", prompt=branch, sampling=GREEDY)
+    assert engine.convs[other].cached_at_open == {"exact": 16, "radix": 20}.get(mode, 0)
+    assert np.array_equal(duplex_codes(engine, other, 12), reference)
+    assert engine.stats.copied_steps == (15 + 4 if mode == "radix" else 0)
+    engine.cache.check()
