@@ -120,13 +120,15 @@ def turn_key(codes: np.ndarray, cfg: ModelConfig, prompt: np.ndarray | None = No
 
 
 def radix_reuse(cached: np.ndarray, key: np.ndarray) -> int:
-    """Steps of `key` a radix cache holding only `cached` gives back (whole pages of `PAGE` steps)."""
+    """Steps of `key` a radix cache holding only `cached` gives back: whole pages of `PAGE` steps and the steps of a
+    partly matching page (which the engine copies), never the key's last step."""
     pool = PagePool(1, 1, 1, page_size=PAGE, num_pages=len(cached) // PAGE + 2)
     cache = RadixCache(pool)
     pages = cache.alloc(len(cached) // PAGE)
     cache.insert(cached, pages)
     cache.release(pages)
-    return cache.match(key).cached_steps
+    m = cache.match(key)
+    return m.cached_steps + (m.partial[1] if m.partial else 0)
 
 
 # ---- takes -------------------------------------------------------------------------------------------------------

@@ -174,6 +174,11 @@ class PrefixCache(ABC):
         """The caller drops its references on its own pages (not on matched ones: those go with `unlock`)."""
         self.pool.decref(pages)
 
+    def hold(self, pages: list[int]) -> None:
+        """A reference on pages the caller does not own, kept from eviction until it copies what it needs from them
+        (`MatchResult.partial`, a rewind into a cached page); dropped with `release`."""
+        self.pool.incref(pages)
+
     def pages_on_open(self, max_steps: int) -> int:
         """Pages a conversation reserves when it opens; modes that allocate on demand reserve none."""
         return 0

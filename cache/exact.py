@@ -84,6 +84,11 @@ class ExactCache(PrefixCache):
             if p in self._hash_of and self.pool.refcount(p) == 1:
                 self._free_queue[p] = None
 
+    def hold(self, pages: list[int]) -> None:
+        super().hold(pages)
+        for p in pages:
+            self._free_queue.pop(p, None)
+
     def _lock(self, handle: Handle) -> None:
         if any(self._page_of.get(h) != p for h, p in handle.target):
             raise ValueError("the handle's prefix was evicted since match/insert returned it: lock right away")

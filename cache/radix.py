@@ -22,15 +22,28 @@ import numpy as np
 from cache.base import Handle, MatchResult, PrefixCache, as_key, page_tokens
 from cache.pool import PagePool
 
+PARTIAL_CANDIDATES = 16
+
 
 class Node:
     """An edge of whole pages: `tokens[i]` holds page i's step tokens (bytes), `pages[i]` its page id."""
 
-    __slots__ = ("parent", "children", "tokens", "pages", "start", "lock_ref", "last_access", "in_heap")
+    __slots__ = (
+        "parent",
+        "children",
+        "by_first_step",
+        "tokens",
+        "pages",
+        "start",
+        "lock_ref",
+        "last_access",
+        "in_heap",
+    )
 
     def __init__(self, parent: Node | None, tokens: list[bytes], pages: list[int], start: int, last_access: int):
         self.parent = parent
-        self.children: dict[bytes, Node] = {}
+        self.children: dict[bytes, Node] = {}  # by their first page's step tokens
+        self.by_first_step: dict[bytes, list[Node]] = {}  # the same children by their first step: partial matches
         self.tokens = tokens
         self.pages = pages
         self.start = start  # pages from the root to this edge
@@ -61,16 +74,16 @@ class RadixCache(PrefixCache):
 
     def _partial(self, node: Node, rest: np.ndarray) -> tuple[int, int] | None:
         """The child page of `node` whose leading steps match the most of `rest` (the key's steps after `node`, fewer
-        than a page or a page that differs): (page, steps), or None when no child starts with rest's first step."""
+        than a page or a page that differs): (page, steps), or None when no child starts with rest's first step. Of
+        many children that start alike (cached sessions that all began with the same silent frame), only the newest
+        `PARTIAL_CANDIDATES` are compared: the most a partial page saves is a page's steps minus one."""
         if not len(rest):
             return None
         want = rest.tobytes()
         step_bytes = len(want) // len(rest)
         best, best_steps = None, 0
-        for child in node.children.values():
+        for child in node.by_first_step.get(want[:step_bytes], [])[-PARTIAL_CANDIDATES:]:
             first = child.tokens[0]
-            if first[:step_bytes] != want[:step_bytes]:
-                continue
             page = np.frombuffer(first, dtype=np.int64)[: rest.size].reshape(rest.shape)
             differs = np.flatnonzero((page != rest).any(axis=1))
             steps = int(differs[0]) if len(differs) else len(rest)
@@ -100,7 +113,7 @@ class RadixCache(PrefixCache):
         if new:
             self.pool.incref(new)
             leaf = Node(node, tokens[start : start + len(new)], new, start, self._clock)
-            node.children[leaf.tokens[0]] = leaf
+            self._add_child(node, leaf)
             self._node_of.update((p, leaf) for p in new)
             self._push(leaf)
             node = leaf
@@ -131,7 +144,7 @@ class RadixCache(PrefixCache):
                 self._push(node)
                 continue
             parent = node.parent
-            del parent.children[first]
+            self._remove_child(parent, node, first)
             node.parent = None
             if not parent.children and not parent.lock_ref:
                 self._push(parent)
@@ -194,11 +207,29 @@ class RadixCache(PrefixCache):
         identity (handles to it stay valid) as the lower part."""
         upper = Node(child.parent, child.tokens[:j], child.pages[:j], child.start, child.last_access)
         upper.lock_ref = child.lock_ref
-        upper.children[child.tokens[j]] = child
-        child.parent.children[child.tokens[0]] = upper
+        parent = child.parent
+        self._remove_child(parent, child, child.tokens[0])
+        self._add_child(parent, upper)
         self._node_of.update((p, upper) for p in upper.pages)
         child.tokens, child.pages, child.start, child.parent = child.tokens[j:], child.pages[j:], child.start + j, upper
+        self._add_child(upper, child)
         return upper
+
+    def _first_step(self, page: bytes) -> bytes:
+        return page[: len(page) // self.page_size]
+
+    def _add_child(self, parent: Node, child: Node) -> None:
+        parent.children[child.tokens[0]] = child
+        parent.by_first_step.setdefault(self._first_step(child.tokens[0]), []).append(child)
+
+    def _remove_child(self, parent: Node, child: Node, first: bytes) -> None:
+        """Unlink `child`, whose first page's tokens were `first` (an evicted leaf has no pages left)."""
+        del parent.children[first]
+        step = self._first_step(first)
+        siblings = parent.by_first_step[step]
+        siblings.remove(child)
+        if not siblings:
+            del parent.by_first_step[step]
 
     def _push(self, node: Node) -> None:
         if not node.in_heap and node is not self.root:
@@ -216,6 +247,12 @@ class RadixCache(PrefixCache):
         while stack:
             node = stack.pop()
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()) >= 0, "lock_ref below children"
+            by_step = {self._first_step(first): [] for first in node.children}
+            for first, child in node.children.items():
+                by_step[self._first_step(first)].append(child)
+            assert {k: set(map(id, v)) for k, v in by_step.items()} == {
+                k: set(map(id, v)) for k, v in node.by_first_step.items()
+            }, "children by first step"
             for first, child in node.children.items():
                 assert child.parent is node and child.tokens and child.tokens[0] == first
                 assert len(child.tokens) == len(child.pages) and child.start == node.end

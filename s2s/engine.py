@@ -748,7 +748,7 @@ class Engine:
     def _private_copy(self, page: int, steps: int) -> int | None:
         """Copy-on-write: a new page of the caller's own holding the first `steps` steps of `page`, which the cache
         or another conversation holds (never written into); None when no page can be had (compute them instead)."""
-        self.pool.incref([page])  # keeps it alive while `alloc` evicts
+        self.cache.hold([page])  # keeps it alive while `alloc` evicts
         try:
             (copy,) = self.cache.alloc(1)
         except OutOfPages:
@@ -782,9 +782,8 @@ class Engine:
             if m.partial and (copy := self._private_copy(*m.partial)) is not None:
                 cached += m.partial[1]
                 table.append(copy)
-            if cached <= conv.computed:
+            if cached <= conv.computed:  # the copy it counted on could not be made
                 self.cache.unlock(m.handle)
-                self.cache.release(table[len(m.pages) :])
                 continue
             if conv.handle is not None:
                 self.cache.unlock(conv.handle)

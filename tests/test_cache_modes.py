@@ -110,6 +110,22 @@ def test_a_match_leaves_the_last_step_to_compute(mode):
     c.check()
 
 
+@pytest.mark.parametrize("mode", REUSING)
+def test_a_held_page_is_not_evicted_until_released(mode):
+    c = new_cache(mode)
+    a = Conv(c, tokens(12))
+    a.insert()
+    a.close()
+    c.hold([a.table[1]])  # about to be copied from
+    c.evict(3)
+    assert c.pool.refcount(a.table[1]) == 2 and c.stats().evicted_live_pages == 0, "a held page was evicted"
+    c.check()
+    c.release([a.table[1]])
+    c.evict(3)
+    assert c.pool.refcount(a.table[1]) == 0 and c.stats().free == c.pool.num_usable
+    c.check()
+
+
 def test_radix_offers_the_steps_of_a_partly_matching_page():
     c = new_cache("radix")
     a = Conv(c, tokens(12))

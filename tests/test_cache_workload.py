@@ -53,7 +53,7 @@ def run(mode: str, usable: int):
         m = c.match(key)
         c.lock(m.handle)
         if m.partial:
-            pool.incref([m.partial[0]])  # as the engine does: kept alive while alloc evicts, until copied
+            c.hold([m.partial[0]])  # as the engine does: kept alive while alloc evicts, until copied
         need = max(c.pages_on_open(MAX_STEPS), math.ceil(len(turns[-1]) / PAGE)) - len(m.pages)
         while True:
             try:

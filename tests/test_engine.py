@@ -7,6 +7,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from clocks import CallClock, SimClock
 
 from codec import EncodecTokenizer
 from s2s import ModelConfig, S2SModel, SamplingParams
@@ -63,11 +64,11 @@ def run_turns(engine: Engine, cids: list[str], turns: int, seconds: float = 0.4)
     return replies
 
 
-def make(model, tok, mode: str = "radix", **kw) -> Engine:
+def make(model, tok, mode: str = "radix", clock=None, **kw) -> Engine:
     kw.setdefault("max_context", 512)
     kw.setdefault("calibration_ticks", 0)
     cfg = EngineConfig(cache_mode=mode, num_pages=kw.pop("num_pages", 400), max_reply_frames=10, **kw)
-    return Engine(model, tok, cfg)
+    return Engine(model, tok, cfg, **({"clock": clock} if clock else {}))
 
 
 def test_greedy_identical_across_cache_modes_and_batches(model, tok) -> None:
@@ -161,7 +162,7 @@ def test_out_of_pages_preempts_the_last_opened_and_every_reply_finishes(model, t
     prompt = tok.encode(speech(0.5, seed=99))[0]
     replies, preempted = {}, {}
     for pages in (400, 14):
-        engine = make(model, tok, mode, num_pages=pages, admission_headroom=math.inf)
+        engine = make(model, tok, mode, num_pages=pages, admission_headroom=math.inf, clock=CallClock())
         cids = [engine.open("turn", prompt=prompt, sampling=GREEDY, admit=False) for _ in range(3)]
         replies[pages] = run_turns(engine, cids, turns=2)
         preempted[pages] = engine.stats.preempted
@@ -174,16 +175,6 @@ def test_out_of_pages_preempts_the_last_opened_and_every_reply_finishes(model, t
     for cid, got in replies[14].items():
         for a, b in zip(replies[400][cid], got, strict=True):
             assert np.array_equal(a, b), cid
-
-
-class SimClock:
-    """Time moves only when told: by the tick, and by the simulated cost of each forward."""
-
-    def __init__(self):
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_admission_refuses_and_admitted_duplex_keep_deadlines(model, tok) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from clocks import CallClock
 
 from codec import EncodecTokenizer
 from s2s import ModelConfig, S2SModel, SamplingParams
@@ -131,6 +132,7 @@ def test_two_conversations_in_pages_for_one_both_answer(text_model, mode: str, p
                 cache_mode=mode, max_context=512, num_pages=num_pages, max_reply_frames=12,
                 calibration_ticks=0, prefill_budget=32, admission_headroom=float("inf"),
             ),
+            clock=CallClock(),  # the same chunking in every run, whatever the machine's load (see clocks.py)
         )  # fmt: skip
         g = np.random.default_rng(0)
         cids = [engine.open("turn", sampling=GREEDY, admit=False) for _ in range(2)]
