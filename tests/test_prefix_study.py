@@ -54,7 +54,9 @@ def test_turn_key_and_radix_reuse():
     assert radix_reuse(key, key) == 40 // PAGE * PAGE  # the partial last page is not cached
     late = codes.copy()
     late[0, 20] = 999
-    assert radix_reuse(key, turn_key(late, cfg)) == PAGE
+    assert radix_reuse(key, turn_key(late, cfg)) == 20  # a whole page, and 4 steps copied from the next one
     early = codes.copy()
     early[1, 0] = 999  # enters the key at step 1
+    assert radix_reuse(key, turn_key(early, cfg)) == 1
+    early[0, 0] = 999  # and now at step 0: nothing
     assert radix_reuse(key, turn_key(early, cfg)) == 0
