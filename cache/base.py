@@ -11,6 +11,8 @@ Who holds a reference on a page (the pool counts them):
   reference on the caller's page; where it has one, it keeps its own and leaves the caller's duplicate alone (the
   caller still holds it and releases it as usual). Returns a handle for what the cache now holds of `key`; the caller
   locks it and unlocks its previous handle.
+- `hold(pages)` takes a reference on pages the caller does not own, to copy from them (`MatchResult.partial`, or a
+  rewind into a cached page: copy-on-write, since nobody writes into a page the cache holds); `release` drops it.
 - Eviction takes only pages that nobody but the cache references, outside locks.
 
 A conversation's life: `m = match(key); lock(m.handle); own = alloc(...)`, page table `m.pages + own`; after a chunk
