@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from cache import OutOfPages, PagePool, make_cache
+from cache import MatchResult, OutOfPages, PagePool, make_cache
 from codec import EncodecTokenizer
 from s2s.batch import PagedBatch
 from s2s.conversation import UNKNOWN, Conversation, Phase, Turn
@@ -736,14 +736,19 @@ class Engine:
         if m.cached_steps:
             self.cache.lock(m.handle)
             conv.handle = m.handle
-            conv.pages = list(m.pages)
-            conv.computed = m.cached_steps
-        if m.partial and (copy := self._private_copy(*m.partial)) is not None:
-            conv.pages.append(copy)
-            conv.own_pages.append(copy)
-            conv.computed += m.partial[1]
-            self.cache.record_hits(m.partial[1], m.partial[1])
+        conv.pages, conv.computed = self._matched_table(m)
+        conv.own_pages += conv.pages[len(m.pages) :]
+        self.cache.record_hits(conv.computed - m.cached_steps, conv.computed - m.cached_steps)
         conv.cached_at_open = conv.computed
+
+    def _matched_table(self, m: MatchResult) -> tuple[list[int], int]:
+        """The page table and the steps a match gives: its pages, and a private copy of its partial page's steps when
+        a page can be had for it (the copy is the caller's own). Lock `m.handle` first: the copy's page may evict."""
+        table, steps = list(m.pages), m.cached_steps
+        if m.partial and (copy := self._private_copy(*m.partial)) is not None:
+            table.append(copy)
+            steps += m.partial[1]
+        return table, steps
 
     def _private_copy(self, page: int, steps: int) -> int | None:
         """Copy-on-write: a new page of the caller's own holding the first `steps` steps of `page`, which the cache
@@ -775,13 +780,10 @@ class Engine:
                 continue  # locking its old pages again would take them from whoever preempted it
             conv.seen_inserts = self._inserts
             m = self.cache.match(conv.known_key(), record=False)
-            cached, table = m.cached_steps, list(m.pages)
-            if cached + (m.partial[1] if m.partial else 0) <= conv.computed:
+            if m.cached_steps + (m.partial[1] if m.partial else 0) <= conv.computed:
                 continue
-            self.cache.lock(m.handle)  # before `_private_copy` allocates: that may evict
-            if m.partial and (copy := self._private_copy(*m.partial)) is not None:
-                cached += m.partial[1]
-                table.append(copy)
+            self.cache.lock(m.handle)
+            table, cached = self._matched_table(m)
             if cached <= conv.computed:  # the copy it counted on could not be made
                 self.cache.unlock(m.handle)
                 continue
