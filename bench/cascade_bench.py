@@ -34,7 +34,16 @@ from tqdm import tqdm
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from bench.common import environment, parser, peak_rss_bytes, percentiles, print_table, save_outputs
+from bench.common import (
+    add_device_arg,
+    device_name,
+    environment,
+    parser,
+    peak_rss_bytes,
+    percentiles,
+    print_table,
+    save_outputs,
+)
 from codec.tokenizer import FRAME_SIZE, SAMPLE_RATE
 from s2s import ModelConfig
 from server import protocol
@@ -261,7 +270,7 @@ def targets(rows: list[dict]) -> list[dict]:
     return out
 
 
-def plot(rows: list[dict], path) -> None:
+def plot(rows: list[dict], path, device: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     silences = sorted({r["silence_ms"] for r in rows if r["silence_ms"] is not None})
     fig, axes = plt.subplots(1, len(silences), figsize=(7 * len(silences), 5), squeeze=False)
@@ -280,7 +289,7 @@ def plot(rows: list[dict], path) -> None:
         ax.set_ylabel("ms (stage medians)")
         ax.set_title(f"endpointing silence {silence:g} ms (duplex: no endpointing)")
         ax.legend(fontsize=7)
-    fig.suptitle(f"Turn latency by stage, {PRESET} preset on both sides, CPU")
+    fig.suptitle(f"Turn latency by stage, {PRESET} preset on both sides, {device}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -289,17 +298,24 @@ def main(argv: list[str] | None = None) -> None:
     p = parser("cascade", __doc__.splitlines()[0])
     # one: on this shared 2-core machine two OpenMP threads per server, beside other work, made ticks 40x slower
     p.add_argument("--threads", type=int, default=1, help="torch threads per server process (0: one per core)")
+    p.add_argument("--silence-ms", default="200,500", help="endpointing silences (pipecat's 200, LiveKit's 500)")
+    p.add_argument("--rounds", default="6,3,2", help="turns per client at concurrency 1, 4 and 16")
+    add_device_arg(p)
     args = p.parse_args(argv)
+    silences = [float(ms) / 1000 for ms in args.silence_ms.split(",")]
     if args.quick:
-        levels, silences, reply_frames, sentences, rounds = [1, 4], [0.2], 38, 1, {1: 1, 4: 1}
+        levels, silences, reply_frames, sentences, rounds = [1, 4], silences[:1], 38, 1, {1: 1, 4: 1}
     else:
-        levels, silences, reply_frames, sentences, rounds = [1, 4, 16], [0.2, 0.5], 150, 4, {1: 6, 4: 3, 16: 2}
+        levels, reply_frames, sentences = [1, 4, 16], 150, 4
+        rounds = dict(zip(levels, map(int, args.rounds.split(",")), strict=True))
+    device = device_name(args.device)
     timeout_s = 30.0
     max_delay = ModelConfig.preset(PRESET).max_delay
     voices = clips(silences, sentences)
     # room for a level's conversations while the last level's are still closing
     common = ["--preset", PRESET, "--max-reply-frames", reply_frames, "--max-conversations", 2 * max(levels)]
     common += ["--threads", args.threads] if args.threads else []
+    common += ["--device", args.device]
     plan = []  # (server args, [(system, silence ms or None, query)])
     for s in silences:
         # duplex first: an overloaded turn-mode level teaches the admission cost model slow ticks
@@ -381,12 +397,13 @@ def main(argv: list[str] | None = None) -> None:
         "reply_frames": reply_frames,
         "levels": levels,
         "silences_s": silences,
+        "server_device": device,
         "client_timeout_s": timeout_s,
         "codec": "pcm16",
         "max_delay": max_delay,
         "bench_peak_rss_bytes": peak_rss_bytes(),
     }
-    plot(rows, args.plot)
+    plot(rows, args.plot, device)
     save_outputs(args, [{**env, **r} for r in rows], tables)
 
 

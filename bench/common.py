@@ -51,8 +51,22 @@ def timed(fn, *args, **kwargs) -> tuple[float, object]:
     return time.perf_counter() - t, out
 
 
+def add_device_arg(p: argparse.ArgumentParser) -> None:
+    """`--device` for benchmarks that start `s2s serve`: passed to the server as is."""
+    p.add_argument("--device", default="auto", help="the server's device: cpu, cuda, cuda:N (auto: a GPU if any)")
+
+
+def device_name(device: str) -> str:
+    """What `s2s serve --device DEVICE` runs on, for tables and plots: "cpu" or the GPU's name."""
+    from server.cli import placement
+
+    dev, _ = placement(device, "auto")
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+
+
 def environment() -> dict:
     return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "host_cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -30,7 +30,16 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import SENTENCES, environment, parser, percentiles, print_table, save_outputs
+from bench.common import (
+    SENTENCES,
+    add_device_arg,
+    device_name,
+    environment,
+    parser,
+    percentiles,
+    print_table,
+    save_outputs,
+)
 from server.client import SAMPLE_RATE, talk
 from server.process import ServerProcess
 from server.speech import speech
@@ -140,13 +149,15 @@ def main() -> None:
     p.add_argument("--levels", default="1,2,4,8,16,32", help="numbers of concurrent conversations")
     p.add_argument("--seconds", type=float, default=8.0, help="speech per client")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server (0: one per core)")
+    add_device_arg(p)
     args = p.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     modes = ["duplex", "turn"]
     if args.quick:
         levels, args.seconds = [1, 2, 4], 3.0
     serve_args = ["--preset", args.preset, "--frames-per-tick", "4", "--max-reply-frames", "225"]
-    serve_args += ["--threads", str(args.threads)]
+    serve_args += ["--threads", str(args.threads), "--device", args.device]
+    device = device_name(args.device)
     pcm = utterances(args.seconds, max(levels))
     rows = []
     bar = tqdm(total=len(modes) * len(levels), desc="concurrency")
@@ -163,6 +174,7 @@ def main() -> None:
                         "preset": args.preset,
                         "frames_per_tick": 4,
                         "server_threads": args.threads,
+                        "server_device": device,
                         "client_codec": "pcm16",
                         "seconds_per_client": args.seconds,
                         **row,
@@ -185,16 +197,17 @@ def main() -> None:
         ("peak_mem_bytes", "peak RSS B"),
     ]
     tables = print_table(
-        f"Concurrency through `s2s serve` ({args.preset}, seeded, 4-frame ticks): duplex latency = output lag, "
+        f"Concurrency through `s2s serve` ({args.preset}, seeded, 4-frame ticks, {device}): "
+        "duplex latency = output lag, "
         "turn latency = end of speech to first reply audio",
         rows,
         columns,
     )
-    plot(rows, args.plot)
+    plot(rows, args.plot, device)
     save_outputs(args, rows, tables)
 
 
-def plot(rows: list[dict], path) -> None:
+def plot(rows: list[dict], path, device: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for mode in ("duplex", "turn"):
         rs = [r for r in rows if r["mode"] == mode]
@@ -210,6 +223,7 @@ def plot(rows: list[dict], path) -> None:
         ax.set_xlabel("concurrent conversations")
         ax.set_title(title)
         ax.legend()
+    fig.suptitle(f"Concurrency through the server, {rows[0]['preset']} preset, {device}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

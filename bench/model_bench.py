@@ -26,12 +26,18 @@ from transformers import DynamicCache, LlamaModel
 
 from bench.common import environment, parser, peak_rss_bytes, percentiles, print_table, save_outputs, timed
 from s2s import ModelConfig, PagedBatch, S2SModel
+from server.cli import placement
 
 PAGE_SIZE = 16
 
 
-def _tokens(cfg: ModelConfig, batch: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, cfg.codebook_size, (batch, cfg.step_width), generator=torch.Generator().manual_seed(seed))
+def _tokens(cfg: ModelConfig, batch: int, seed: int, device: torch.device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, cfg.codebook_size, (batch, cfg.step_width), generator=g).to(device)
+
+
+def _param(model: torch.nn.Module) -> torch.Tensor:
+    return next(model.parameters())
 
 
 def ours(model: S2SModel, batch: int, context: int, steps: int):
@@ -40,13 +46,14 @@ def ours(model: S2SModel, batch: int, context: int, steps: int):
     pages_per_seq = -(-(context + steps) // PAGE_SIZE)
     num_pages = 1 + batch * pages_per_seq
     shape = (num_pages, PAGE_SIZE, cfg.num_key_value_heads, cfg.head_dim)
-    k = [torch.randn(shape) for _ in range(cfg.num_hidden_layers)]
-    v = [torch.randn(shape) for _ in range(cfg.num_hidden_layers)]
+    like = {"dtype": _param(model).dtype, "device": _param(model).device}
+    k = [torch.randn(shape, **like) for _ in range(cfg.num_hidden_layers)]
+    v = [torch.randn(shape, **like) for _ in range(cfg.num_hidden_layers)]
     tables = [list(range(1 + s * pages_per_seq, 1 + (s + 1) * pages_per_seq)) for s in range(batch)]
 
     def step(i: int) -> torch.Tensor:
-        batch_ = PagedBatch.build([context + i] * batch, [1] * batch, tables, PAGE_SIZE)
-        return model.forward_paged(_tokens(cfg, batch, i), batch_, k, v).logits
+        batch_ = PagedBatch.build([context + i] * batch, [1] * batch, tables, PAGE_SIZE, like["device"])
+        return model.forward_paged(_tokens(cfg, batch, i, like["device"]), batch_, k, v).logits
 
     return step
 
@@ -55,13 +62,14 @@ def theirs(model: S2SModel, llama: LlamaModel, batch: int, context: int):
     """A step function for transformers' LlamaModel over a DynamicCache holding `context` random steps."""
     cfg = model.config
     cache = DynamicCache(config=llama.config)
+    like = {"dtype": _param(model).dtype, "device": _param(model).device}
     for layer in range(cfg.num_hidden_layers):
         kv = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
-        cache.update(torch.randn(kv), torch.randn(kv), layer)
+        cache.update(torch.randn(kv, **like), torch.randn(kv, **like), layer)
 
     def step(i: int) -> torch.Tensor:
-        x = model.embed(_tokens(cfg, batch, i))[:, None]
-        pos = torch.full((batch, 1), context + i)
+        x = model.embed(_tokens(cfg, batch, i, like["device"]))[:, None]
+        pos = torch.full((batch, 1), context + i, device=like["device"])
         hidden = llama(inputs_embeds=x, past_key_values=cache, position_ids=pos, use_cache=True).last_hidden_state
         return model.logits(hidden[:, -1])
 
@@ -78,9 +86,21 @@ def compare(model: S2SModel, llama: LlamaModel, batch: int, context: int, steps:
     blocks_a, blocks_b, i = [], [], 0
     for _ in range(rounds):
         for fn, blocks in ((a, blocks_a), (b, blocks_b)):
-            blocks.append([timed(fn, i + j)[0] for j in range(steps + 1)][1:])
+            blocks.append([timed(_synced(fn), i + j)[0] for j in range(steps + 1)][1:])
         i += steps + 1
     return blocks_a, blocks_b
+
+
+def _synced(fn):
+    """`fn` that returns only once the GPU has finished its work (a no-op on CPU)."""
+
+    def run(i: int) -> torch.Tensor:
+        out = fn(i)
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
+        return out
+
+    return run
 
 
 def best_block(blocks: list[list[float]]) -> dict[str, float]:
@@ -89,7 +109,7 @@ def best_block(blocks: list[list[float]]) -> dict[str, float]:
     return {"p50": p50, "p95": percentiles([t for b in blocks for t in b], 1000)["p95"]}
 
 
-def plot(rows: list[dict], path) -> None:
+def plot(rows: list[dict], path, device: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     presets = sorted({r["preset"] for r in rows})
     fig, axes = plt.subplots(1, len(presets), figsize=(6 * len(presets), 4), squeeze=False)
@@ -101,14 +121,18 @@ def plot(rows: list[dict], path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("conversations (batch)")
         ax.set_ylabel("frames/s, paged / transformers")
-        ax.set_title(f"{preset} preset, one decode step")
+        ax.set_title(f"{preset} preset, one decode step, {device}")
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser("model", __doc__.splitlines()[0]).parse_args(argv)
+    p = parser("model", __doc__.splitlines()[0])
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (both sides run there)")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 (auto: bf16 on GPU, fp32 on CPU)")
+    args = p.parse_args(argv)
+    device, dtype = placement(args.device, args.dtype)
     if args.quick:
         presets, batches, contexts, steps = ["tiny", "small"], [1, 32], [256, 1024], 4
     else:
@@ -117,10 +141,11 @@ def main(argv: list[str] | None = None) -> None:
     grid = [(p, b, c) for p in presets for b in batches for c in contexts]
     models = {}
     for p in presets:
-        model = S2SModel.from_seed(ModelConfig.preset(p), seed=0)
+        model = S2SModel.from_seed(ModelConfig.preset(p), seed=0, dtype=dtype, device=device)
         llama = LlamaModel(model.config.to_llama_config()).eval()
         llama.config._attn_implementation = "sdpa"
         llama.load_state_dict(model.backbone.state_dict(), strict=False)
+        llama.to(device=device, dtype=dtype)
         models[p] = (model, llama)
     for preset, batch, context in tqdm(grid, desc="model configs", file=sys.stderr):
         model, llama = models[preset]
@@ -159,8 +184,9 @@ def main(argv: list[str] | None = None) -> None:
             ("speedup", "speedup"),
         ],
     )
-    env = {**environment(), "quick": args.quick}
-    plot(rows, args.plot)
+    device_label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    env = {**environment(), "quick": args.quick, "device": str(device), "dtype": str(dtype).removeprefix("torch.")}
+    plot(rows, args.plot, device_label)
     save_outputs(args, [{**env, **r} for r in rows], tables)
 
 

@@ -31,6 +31,7 @@ from http import HTTPStatus
 
 import numpy as np
 import sphn
+import torch
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
@@ -65,13 +66,24 @@ def split_phrase(text: str, min_chars: int) -> tuple[str, str] | None:
     return (text[:i], text[i + 1 :]) if i != -1 else None
 
 
-def text_engine_for(preset: str, reply_frames: int, max_conversations: int, **config) -> Engine:
+def text_engine_for(
+    preset: str,
+    reply_frames: int,
+    max_conversations: int,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    **config,
+) -> Engine:
     """The cascade's text decoder: the speech model's size and class, one codebook of bytes, no codec, replies as
-    long in speech as `reply_frames` speech frames. One step a tick (13.3 ms): its earliest first token."""
-    model = S2SModel.from_seed(ModelConfig.preset(preset, num_codebooks=1, codebook_size=256), seed=0)
+    long in speech as `reply_frames` speech frames, on the speech model's device and dtype. One step a tick
+    (13.3 ms): its earliest first token."""
+    cfg = ModelConfig.preset(preset, num_codebooks=1, codebook_size=256)
+    model = S2SModel.from_seed(cfg, seed=0, dtype=dtype, device=device)
     reply_bytes = max(1, round(reply_frames / FRAMES_PER_CHAR))
-    cfg = EngineConfig(frames_per_tick=1, max_reply_frames=reply_bytes, max_conversations=max_conversations, **config)
-    return Engine(model, None, cfg)
+    engine_cfg = EngineConfig(
+        frames_per_tick=1, max_reply_frames=reply_bytes, max_conversations=max_conversations, **config
+    )
+    return Engine(model, None, engine_cfg)
 
 
 @dataclass

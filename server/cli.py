@@ -69,17 +69,37 @@ def roundtrip(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}")
 
 
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def placement(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """`--device`/`--dtype` as torch objects. "auto" is the first CUDA GPU in bfloat16 where there is one, else the
+    CPU in float32 (bf16 matmuls on a CPU are slower than fp32). The codec always runs in float32."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {device}: torch sees no CUDA GPU here (use --device cpu)")
+    if dtype == "auto":
+        dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    if dtype not in _DTYPES:
+        raise SystemExit(f"--dtype must be auto or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return dev, _DTYPES[dtype]
+
+
 def _engine(args: argparse.Namespace):
     from codec import EncodecTokenizer
     from s2s import Engine, EngineConfig, ModelConfig, S2SModel
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    tok = EncodecTokenizer.from_pretrained(args.codec, bandwidth=args.bandwidth)
+    device, dtype = placement(args.device, args.dtype)
+    tok = EncodecTokenizer.from_pretrained(args.codec, bandwidth=args.bandwidth, device=device)
     if args.model:
-        model = S2SModel.from_pretrained(args.model)
+        model = S2SModel.from_pretrained(args.model, dtype=dtype, device=device)
     else:
-        model = S2SModel.from_seed(ModelConfig.preset(args.preset, num_codebooks=tok.num_codebooks), seed=0)
+        cfg = ModelConfig.preset(args.preset, num_codebooks=tok.num_codebooks)
+        model = S2SModel.from_seed(cfg, seed=0, dtype=dtype, device=device)
     cfg = EngineConfig(
         cache_mode=args.cache,
         max_conversations=args.max_conversations,
@@ -108,6 +128,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frames-per-tick", type=int, default=4, help="duplex frames per engine tick (1 = 13.3 ms)")
     p.add_argument("--prompts", type=Path, default=None, help="folder of voice prompts (audio files)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice, one per core)")
+    p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (auto: the first CUDA GPU, else the CPU)")
+    p.add_argument(
+        "--dtype", default="auto", help="model weights and K/V: float32, bfloat16, float16 (auto: bf16 on GPU)"
+    )
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -125,7 +149,9 @@ async def _serve(args: argparse.Namespace) -> None:
     if args.cascade:
         from server.cascade import CascadeServer, text_engine_for
 
-        text = text_engine_for(args.preset, args.max_reply_frames, args.max_conversations)
+        text = text_engine_for(
+            args.preset, args.max_reply_frames, args.max_conversations, *placement(args.device, args.dtype)
+        )
         server = CascadeServer(text, engine, args.host, args.port, vad, stt_decoders=args.max_conversations)
     else:
         server = ChatServer(engine, ServerOptions(args.host, args.port, args.token, args.allowed_origin or [], vad=vad))

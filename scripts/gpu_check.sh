@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The checks that need an NVIDIA GPU, in one run: the Triton kernels against the torch reference on CUDA, the demo
+# on the GPU, then the benchmarks whose targets need one (the decode step, concurrency to 32, the cascade at 1/4/16).
+# Every stage has its own time limit and runs even if an earlier one failed; after each, OUTDIR is packed into
+# TARBALL (when given), so what finished survives a run that is cut short.
+#   bash scripts/gpu_check.sh OUTDIR [TARBALL]
+# Environment: PYTHON (python3), DEVICE (cuda), STAGES (all: kernel-tests demo model concurrency cascade).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=$1
+tarball=${2:-}
+py=${PYTHON:-python3}
+dev=${DEVICE:-cuda}
+stages=" ${STAGES:-kernel-tests demo model concurrency cascade} "
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+
+pack() { [ -z "$tarball" ] || tar -czf "$tarball" -C "$out" .; }
+stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log to OUTDIR/NAME.log, record the exit status
+    local name=$1 limit=$2
+    shift 2
+    [[ $stages == *" $name "* ]] || return 0
+    local t0=$SECONDS
+    timeout -k 5 "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    echo "$name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$out/stages.txt"
+    tail -n 25 "$out/$name.log"
+    pack
+}
+
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+    $py -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__,
+'transformers', transformers.__version__, torch.cuda.get_device_name())"
+    nproc
+} >"$out/machine.txt" 2>&1
+cat "$out/machine.txt"
+
+stage kernel-tests 90 $py -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
+stage demo 60 $py -m server.cli demo --device "$dev" --out "$out/demo-reply.wav"
+stage model 50 $py -m server.cli bench model --device "$dev" --json "$out/model.json" --plot "$out/model.png"
+stage concurrency 150 $py -m server.cli bench concurrency --device "$dev" --seconds 6 \
+    --json "$out/concurrency.json" --plot "$out/concurrency.png"
+stage cascade 230 $py -m server.cli bench cascade --device "$dev" --silence-ms 200 --rounds 3,2,1 \
+    --json "$out/cascade.json" --plot "$out/cascade.png"
+cat "$out/stages.txt" 2>/dev/null
