@@ -35,8 +35,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from bench.common import (
-    add_device_arg,
+    add_device_args,
     device_name,
+    device_server_args,
     environment,
     parser,
     peak_rss_bytes,
@@ -300,7 +301,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per server process (0: one per core)")
     p.add_argument("--silence-ms", default="200,500", help="endpointing silences (pipecat's 200, LiveKit's 500)")
     p.add_argument("--rounds", default="6,3,2", help="turns per client at concurrency 1, 4 and 16")
-    add_device_arg(p)
+    add_device_args(p)
     args = p.parse_args(argv)
     silences = [float(ms) / 1000 for ms in args.silence_ms.split(",")]
     if args.quick:
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     # room for a level's conversations while the last level's are still closing
     common = ["--preset", PRESET, "--max-reply-frames", reply_frames, "--max-conversations", 2 * max(levels)]
     common += ["--threads", args.threads] if args.threads else []
-    common += ["--device", args.device]
+    common += device_server_args(args)
     plan = []  # (server args, [(system, silence ms or None, query)])
     for s in silences:
         # duplex first: an overloaded turn-mode level teaches the admission cost model slow ticks
@@ -398,6 +399,7 @@ def main(argv: list[str] | None = None) -> None:
         "levels": levels,
         "silences_s": silences,
         "server_device": device,
+        "cuda_graphs": not args.enforce_eager,
         "client_timeout_s": timeout_s,
         "codec": "pcm16",
         "max_delay": max_delay,

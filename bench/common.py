@@ -51,9 +51,14 @@ def timed(fn, *args, **kwargs) -> tuple[float, object]:
     return time.perf_counter() - t, out
 
 
-def add_device_arg(p: argparse.ArgumentParser) -> None:
-    """`--device` for benchmarks that start `s2s serve`: passed to the server as is."""
+def add_device_args(p: argparse.ArgumentParser) -> None:
+    """`--device` and `--enforce-eager` for benchmarks that start `s2s serve`: passed to the server as they are."""
     p.add_argument("--device", default="auto", help="the server's device: cpu, cuda, cuda:N (auto: a GPU if any)")
+    p.add_argument("--enforce-eager", action="store_true", help="the server runs without CUDA graphs")
+
+
+def device_server_args(args: argparse.Namespace) -> list[str]:
+    return ["--device", args.device] + (["--enforce-eager"] if args.enforce_eager else [])
 
 
 def device_name(device: str) -> str:

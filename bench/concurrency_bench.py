@@ -32,8 +32,9 @@ from tqdm import tqdm
 
 from bench.common import (
     SENTENCES,
-    add_device_arg,
+    add_device_args,
     device_name,
+    device_server_args,
     environment,
     parser,
     percentiles,
@@ -149,14 +150,14 @@ def main() -> None:
     p.add_argument("--levels", default="1,2,4,8,16,32", help="numbers of concurrent conversations")
     p.add_argument("--seconds", type=float, default=8.0, help="speech per client")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server (0: one per core)")
-    add_device_arg(p)
+    add_device_args(p)
     args = p.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     modes = ["duplex", "turn"]
     if args.quick:
         levels, args.seconds = [1, 2, 4], 3.0
     serve_args = ["--preset", args.preset, "--frames-per-tick", "4", "--max-reply-frames", "225"]
-    serve_args += ["--threads", str(args.threads), "--device", args.device]
+    serve_args += ["--threads", str(args.threads), *device_server_args(args)]
     device = device_name(args.device)
     pcm = utterances(args.seconds, max(levels))
     rows = []
@@ -175,6 +176,7 @@ def main() -> None:
                         "frames_per_tick": 4,
                         "server_threads": args.threads,
                         "server_device": device,
+                        "cuda_graphs": not args.enforce_eager,
                         "client_codec": "pcm16",
                         "seconds_per_client": args.seconds,
                         **row,

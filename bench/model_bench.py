@@ -1,6 +1,6 @@
 """Model benchmark: one decode step of B conversations at context C, this model over pages vs transformers.
 
-    s2s bench model [--quick] [--json PATH] [--plot PATH]
+    s2s bench model [--quick] [--device cuda] [--json PATH] [--plot PATH]
 
 Both sides run the same weights (seeded), the same embedding sum and output heads; only the backbone and its
 cache differ. Ours: `S2SModel.forward_paged` with K/V in pages (page size 16) through `kernels.paged_attention`
@@ -10,6 +10,10 @@ cache of C steps is filled with random K/V on both sides (a decode step's cost d
 every timed step is one new frame for every conversation. Each side runs blocks of steps in turn (3 rounds), and
 each side's p50 is its best block's median (see `compare`).
 frames/s = B / step time: one frame of every codebook per conversation per step.
+
+`--device cuda` runs both sides on the GPU in bf16 (transformers still with SDPA and DynamicCache, eagerly: its
+static cache under torch.compile is not measured here), plus a third side: ours through `s2s/cuda_graphs.py`, the
+path the engine takes for its decode rounds (inputs copied into static buffers, one graph replay).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from transformers import DynamicCache, LlamaModel
 
 from bench.common import environment, parser, peak_rss_bytes, percentiles, print_table, save_outputs, timed
 from s2s import ModelConfig, PagedBatch, S2SModel
+from s2s.cuda_graphs import DecodeGraphs
 from server.cli import placement
 
 PAGE_SIZE = 16
@@ -40,8 +45,9 @@ def _param(model: torch.nn.Module) -> torch.Tensor:
     return next(model.parameters())
 
 
-def ours(model: S2SModel, batch: int, context: int, steps: int):
-    """A step function for this model over pages holding `context` random steps per conversation."""
+def ours(model: S2SModel, batch: int, context: int, steps: int, graphs: bool = False):
+    """A step function for this model over pages holding `context` random steps per conversation; with `graphs`,
+    the engine's decode path on a GPU: inputs copied into static buffers, then one CUDA graph replay."""
     cfg = model.config
     pages_per_seq = -(-(context + steps) // PAGE_SIZE)
     num_pages = 1 + batch * pages_per_seq
@@ -55,7 +61,14 @@ def ours(model: S2SModel, batch: int, context: int, steps: int):
         batch_ = PagedBatch.build([context + i] * batch, [1] * batch, tables, PAGE_SIZE, like["device"])
         return model.forward_paged(_tokens(cfg, batch, i, like["device"]), batch_, k, v).logits
 
-    return step
+    if not graphs:
+        return step
+    replay = DecodeGraphs(model, k, v, PAGE_SIZE, max_batch=batch, max_pages=pages_per_seq)
+
+    def graph_step(i: int) -> torch.Tensor:
+        return replay.run(_tokens(cfg, batch, i, "cpu").numpy(), [context + i] * batch, tables)
+
+    return graph_step
 
 
 def theirs(model: S2SModel, llama: LlamaModel, batch: int, context: int):
@@ -78,17 +91,20 @@ def theirs(model: S2SModel, llama: LlamaModel, batch: int, context: int):
 
 @torch.inference_mode()
 def compare(model: S2SModel, llama: LlamaModel, batch: int, context: int, steps: int, rounds: int = 3):
-    """Time a block of `steps` steps of one side, then of the other, `rounds` times over (each block's first step
-    not counted). Returns each side's blocks: a side's figure is its best block's median, because its speed
-    drifts with the process's allocator state (transformers' per-step torch.cat page-faults in some states and runs
-    2x slower), and a comparison counts against the other side at its best."""
-    a, b = ours(model, batch, context, rounds * (steps + 1)), theirs(model, llama, batch, context)
-    blocks_a, blocks_b, i = [], [], 0
-    for _ in range(rounds):
-        for fn, blocks in ((a, blocks_a), (b, blocks_b)):
-            blocks.append([timed(_synced(fn), i + j)[0] for j in range(steps + 1)][1:])
-        i += steps + 1
-    return blocks_a, blocks_b
+    """Time a block of `steps` steps of each side in turn, `rounds` times over (each block's first step not
+    counted). Returns each side's blocks (ours, transformers, and ours on CUDA graphs where the model is on a GPU):
+    a side's figure is its best block's median, because its speed drifts with the process's allocator state
+    (transformers' per-step torch.cat page-faults in some states and runs 2x slower), and a comparison counts
+    against the other side at its best."""
+    n = rounds * (steps + 1)
+    sides = [ours(model, batch, context, n), theirs(model, llama, batch, context)]
+    if _param(model).is_cuda:
+        sides.append(ours(model, batch, context, n, graphs=True))
+    blocks = [[] for _ in sides]
+    for r in range(rounds):
+        for fn, side in zip(sides, blocks, strict=True):
+            side.append([timed(_synced(fn), r * (steps + 1) + j)[0] for j in range(steps + 1)][1:])
+    return blocks
 
 
 def _synced(fn):
@@ -149,8 +165,17 @@ def main(argv: list[str] | None = None) -> None:
         models[p] = (model, llama)
     for preset, batch, context in tqdm(grid, desc="model configs", file=sys.stderr):
         model, llama = models[preset]
-        blocks_a, blocks_b = compare(model, llama, batch, context, steps)
-        a, b = best_block(blocks_a), best_block(blocks_b)
+        blocks = compare(model, llama, batch, context, steps)
+        a, b = best_block(blocks[0]), best_block(blocks[1])
+        graphed = {}
+        if len(blocks) == 3:
+            g = best_block(blocks[2])
+            graphed = {
+                "graph_step_ms_p50": g["p50"],
+                "graph_step_ms_p95": g["p95"],
+                "graph_frames_per_s": batch / g["p50"] * 1000,
+                "graph_over_eager": a["p50"] / g["p50"],  # what the graphs buy (transformers has no graphs here)
+            }
         rows.append(
             {
                 "preset": preset,
@@ -167,6 +192,7 @@ def main(argv: list[str] | None = None) -> None:
                 "ours_frames_per_s": batch / a["p50"] * 1000,
                 "hf_frames_per_s": batch / b["p50"] * 1000,
                 "speedup": b["p50"] / a["p50"],
+                **graphed,
                 "peak_rss_bytes": peak_rss_bytes(),
             }
         )
@@ -182,6 +208,11 @@ def main(argv: list[str] | None = None) -> None:
             ("ours_frames_per_s", "paged frames/s"),
             ("hf_frames_per_s", "transformers frames/s"),
             ("speedup", "speedup"),
+            *(
+                [("graph_step_ms_p50", "paged + CUDA graph ms p50"), ("graph_over_eager", "graphs vs eager")]
+                if graphed
+                else []
+            ),
         ],
     )
     device_label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -35,6 +35,7 @@ from cache import MatchResult, OutOfPages, PagePool, make_cache
 from codec import EncodecTokenizer
 from s2s.batch import PagedBatch
 from s2s.conversation import UNKNOWN, Conversation, Phase, Turn
+from s2s.cuda_graphs import DecodeGraphs
 from s2s.metrics import CostModel, EngineStats
 from s2s.model import S2SModel
 from s2s.sampling import SamplingParams, sample
@@ -58,6 +59,7 @@ class EngineConfig:
     session_ttl_s: float = 300.0  # a closed conversation can be resumed by id this long
     admission_headroom: float = 0.75  # admit while the predicted tick time stays under this share of tick_s
     calibration_ticks: int = 16  # ticks run at start on 1, 2 and 4 silent duplex conversations to seed the cost model
+    cuda_graphs: bool = True  # on a GPU, replay single-step rounds from CUDA graphs (vLLM's default; off: eager)
 
     def __post_init__(self) -> None:
         if self.frames_per_tick < 1:
@@ -140,6 +142,18 @@ class Engine:
             device=next(model.parameters()).device,
         )
         self.cache = make_cache(self.cfg.cache_mode, self.pool)
+        self.graphs = (
+            DecodeGraphs(
+                model,
+                self.pool.k,
+                self.pool.v,
+                self.cfg.page_size,
+                self.cfg.max_conversations,
+                max_pages=math.ceil(mcfg.max_position_embeddings / self.cfg.page_size),
+            )
+            if self.cfg.cuda_graphs and self.pool.k[0].is_cuda
+            else None
+        )
         n = self.cfg.max_conversations
         self.encoder = tokenizer.streaming_encoder(n) if tokenizer else None
         self.decoder = tokenizer.streaming_decoder(n) if tokenizer else None
@@ -640,20 +654,25 @@ class Engine:
 
     def _forward(self, work: list[Work]) -> None:
         convs = [w.conv for w in work]
-        batch = PagedBatch.build(
-            [c.computed for c in convs],
-            [len(w.tokens) for w in work],
-            [c.pages for c in convs],
-            self.cfg.page_size,
-            device=self.pool.k[0].device,
-        )
-        tokens = torch.from_numpy(np.concatenate([w.tokens for w in work])).to(self.pool.k[0].device)
-        out = self.model.forward_paged(tokens, batch, self.pool.k, self.pool.v)
+        tokens = np.concatenate([w.tokens for w in work])
+        pages = [c.pages for c in convs]
+        if self.graphs is not None and len(tokens) == len(work) and self.graphs.fits(len(work), pages):
+            logits = self.graphs.run(tokens, [c.computed for c in convs], pages)
+        else:
+            batch = PagedBatch.build(
+                [c.computed for c in convs],
+                [len(w.tokens) for w in work],
+                pages,
+                self.cfg.page_size,
+                device=self.pool.k[0].device,
+            )
+            device_tokens = torch.from_numpy(tokens).to(self.pool.k[0].device)
+            logits = self.model.forward_paged(device_tokens, batch, self.pool.k, self.pool.v).logits
         now = self.clock()
         for i, w in enumerate(work):
             w.conv.last_active = now
             w.conv.computed += len(w.tokens)
-            w.conv.last_logits = out.logits[i]
+            w.conv.last_logits = logits[i]
             turn = w.conv.turns[-1] if w.conv.turns else None
             if turn is not None and turn.reply_start is not None and w.conv.computed >= turn.reply_start:
                 turn.times.setdefault("prefill_done", now)

@@ -1,22 +1,23 @@
 #!/usr/bin/env bash
-# The checks that need an NVIDIA GPU, in one run: the Triton kernels against the torch reference on CUDA, the demo
-# on the GPU, then the benchmarks whose targets need one (the decode step, concurrency to 32, the cascade at 1/4/16).
-# Every stage has its own time limit and runs even if an earlier one failed; after each, OUTDIR is packed into
-# TARBALL (when given), so what finished survives a run that is cut short.
+# The checks that need an NVIDIA GPU, in one run: the Triton kernels and the CUDA-graph decode path against their
+# references on CUDA, the demo on the GPU, then the benchmarks whose targets need one (the decode step, the cascade
+# at 1/4/16, concurrency to 32). Every stage has its own time limit and runs even if an earlier one failed (if the
+# graph tests fail, the benchmarks run with --enforce-eager); after each, OUTDIR is packed into TARBALL (when
+# given), so what finished survives a run that is cut short.
 #   bash scripts/gpu_check.sh OUTDIR [TARBALL]
-# Environment: PYTHON (python3), DEVICE (cuda), STAGES (all: kernel-tests demo model concurrency cascade).
+# Environment: PYTHON (python3), DEVICE (cuda), STAGES (all: kernel-tests graph-tests demo model cascade concurrency).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$1
 tarball=${2:-}
 py=${PYTHON:-python3}
 dev=${DEVICE:-cuda}
-stages=" ${STAGES:-kernel-tests demo model concurrency cascade} "
+stages=" ${STAGES:-kernel-tests graph-tests demo model concurrency cascade} "
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
 pack() { [ -z "$tarball" ] || tar -czf "$tarball" -C "$out" .; }
-stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log to OUTDIR/NAME.log, record the exit status
+stage() { # stage NAME SECONDS COMMAND...: run with a time limit, log to OUTDIR/NAME.log, record the exit status
     local name=$1 limit=$2
     shift 2
     [[ $stages == *" $name "* ]] || return 0
@@ -26,6 +27,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log to OUTDIR
     echo "$name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$out/stages.txt"
     tail -n 25 "$out/$name.log"
     pack
+    return $rc
 }
 
 {
@@ -36,11 +38,13 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log to OUTDIR
 } >"$out/machine.txt" 2>&1
 cat "$out/machine.txt"
 
+eager=()
 stage kernel-tests 90 $py -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
-stage demo 60 $py -m server.cli demo --device "$dev" --out "$out/demo-reply.wav"
-stage model 50 $py -m server.cli bench model --device "$dev" --json "$out/model.json" --plot "$out/model.png"
-stage concurrency 150 $py -m server.cli bench concurrency --device "$dev" --seconds 6 \
-    --json "$out/concurrency.json" --plot "$out/concurrency.png"
-stage cascade 230 $py -m server.cli bench cascade --device "$dev" --silence-ms 200 --rounds 3,2,1 \
+stage graph-tests 60 $py -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py || eager=(--enforce-eager)
+stage demo 60 $py -m server.cli demo --device "$dev" "${eager[@]}" --out "$out/demo-reply.wav"
+stage model 45 $py -m server.cli bench model --quick --device "$dev" --json "$out/model.json" --plot "$out/model.png"
+stage cascade 210 $py -m server.cli bench cascade --device "$dev" "${eager[@]}" --silence-ms 200 --rounds 3,2,1 \
     --json "$out/cascade.json" --plot "$out/cascade.png"
+stage concurrency 145 $py -m server.cli bench concurrency --device "$dev" "${eager[@]}" --seconds 5 \
+    --json "$out/concurrency.json" --plot "$out/concurrency.png"
 cat "$out/stages.txt" 2>/dev/null

@@ -108,6 +108,7 @@ def _engine(args: argparse.Namespace):
         max_reply_frames=args.max_reply_frames,
         admission_headroom=args.admission_headroom,
         jitter_buffer_s=args.jitter_buffer_ms / 1000 if args.jitter_buffer_ms else None,
+        cuda_graphs=not args.enforce_eager,
     )
     return Engine(model, tok, cfg), tok
 
@@ -129,6 +130,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=Path, default=None, help="folder of voice prompts (audio files)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice, one per core)")
     p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (auto: the first CUDA GPU, else the CPU)")
+    p.add_argument("--enforce-eager", action="store_true", help="on a GPU, run decode rounds without CUDA graphs")
     p.add_argument(
         "--dtype", default="auto", help="model weights and K/V: float32, bfloat16, float16 (auto: bf16 on GPU)"
     )
@@ -149,8 +151,14 @@ async def _serve(args: argparse.Namespace) -> None:
     if args.cascade:
         from server.cascade import CascadeServer, text_engine_for
 
+        device, dtype = placement(args.device, args.dtype)
         text = text_engine_for(
-            args.preset, args.max_reply_frames, args.max_conversations, *placement(args.device, args.dtype)
+            args.preset,
+            args.max_reply_frames,
+            args.max_conversations,
+            device,
+            dtype,
+            cuda_graphs=not args.enforce_eager,
         )
         server = CascadeServer(text, engine, args.host, args.port, vad, stt_decoders=args.max_conversations)
     else:

@@ -1,0 +1,142 @@
+"""DecodeGraphs: the decode step (one new step for each of B conversations) replayed from CUDA graphs.
+
+The models served here are small, and a duplex tick runs several decode rounds, so on a GPU a round is ~80 kernel
+launches of microseconds each: the CPU issuing them, not the GPU, sets the tick time (measured on an H200: one
+conversation's tick took 60 % of its frame budget in eager mode). As in vLLM, each batch size of a bucket list is
+captured once into a graph over static input buffers; a round copies its inputs into them and replays the graph of
+the smallest bucket that holds it. Rows past the real batch are padding: slot -1 (its K/V is not stored), one key
+(page 0, read and ignored), and their logits are dropped.
+
+The Triton kernels need no host sync on their inputs, which is what makes the step capturable; token ids are checked
+on the host before they are copied in (`S2SModel.embed` checks them on the device, a sync a graph cannot hold).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from s2s.batch import PagedBatch
+from s2s.model import S2SModel
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 up to `max_batch` (vLLM's list, cut at the batch this engine can hold)."""
+    sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
+    return sizes + [max_batch]
+
+
+class DecodeGraphs:
+    """Decode rounds of up to `max_batch` conversations over a page pool, one static graph per bucket size.
+
+    With `capture=False` the same static buffers and padding run eagerly (the CPU path of the tests: it checks
+    everything here but the capture itself).
+    """
+
+    def __init__(
+        self,
+        model: S2SModel,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        page_size: int,
+        max_batch: int,
+        max_pages: int,
+        capture: bool = True,
+    ):
+        cfg = model.config
+        self.model, self.k_caches, self.v_caches = model, k_caches, v_caches
+        self.page_size, self.max_pages, self.capture = page_size, max_pages, capture
+        self.sizes = bucket_sizes(max_batch)
+        device = k_caches[0].device
+        if capture and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the K/V pool on a CUDA device, not {device}")
+        b = self.sizes[-1]
+        self.tokens = torch.zeros(b, cfg.step_width, dtype=torch.long, device=device)
+        self.positions = torch.zeros(b, dtype=torch.long, device=device)
+        self.slots = torch.full((b,), -1, dtype=torch.long, device=device)
+        self.page_table = torch.zeros(b, max_pages, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(b + 1, dtype=torch.int32, device=device)
+        self.seqlens_k = torch.ones(b, dtype=torch.long, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture_all()
+
+    def _batch(self, size: int) -> PagedBatch:
+        return PagedBatch(
+            positions=self.positions[:size],
+            slot_mapping=self.slots[:size],
+            page_table=self.page_table[:size],
+            cu_seqlens_q=self.cu_seqlens_q[: size + 1],
+            seqlens_k=self.seqlens_k[:size],
+            page_size=self.page_size,
+            cached_lens=[],
+            new_lens=[],
+            pages=[],
+        )
+
+    def _step(self, size: int) -> torch.Tensor:
+        """What a graph holds: embed, backbone over pages (K/V stored at the slots), logits; `[size, K, vocab]`."""
+        model = self.model
+        flat = (self.tokens[:size] + model._offsets).reshape(-1, model.config.step_width)
+        x = torch.nn.functional.embedding_bag(flat, model.embeddings.view(-1, model.config.hidden_size), mode="sum")
+        hidden = model.backbone.forward_paged(x, self._batch(size), self.k_caches, self.v_caches)
+        return model.logits(hidden)
+
+    @torch.no_grad()
+    def _capture_all(self) -> None:
+        """Largest bucket first, all in one memory pool (later, smaller graphs reuse the first one's blocks)."""
+        pool = None
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: builds the Triton kernels and the allocator's blocks
+            for size in self.sizes:
+                self._step(size)
+        torch.cuda.current_stream().wait_stream(side)
+        for size in reversed(self.sizes):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size] = self._step(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def fits(self, num_seqs: int, pages: list[list[int]]) -> bool:
+        return num_seqs <= self.sizes[-1] and all(len(p) <= self.max_pages for p in pages)
+
+    def run(self, tokens: np.ndarray, cached_lens: list[int], pages: list[list[int]]) -> torch.Tensor:
+        """One decode round: `tokens[s]` `[2K]` is sequence s's new step, written at position `cached_lens[s]` of
+        its `pages`. Returns the logits `[S, K, vocab]` (a copy: the graph's output buffer is reused)."""
+        n = len(cached_lens)
+        vocab = self.model.config.vocab_size
+        if tokens.shape != (n, self.model.config.step_width):
+            raise ValueError(f"need [{n}, {self.model.config.step_width}] step tokens, got {list(tokens.shape)}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+            raise ValueError(f"step tokens must lie in [0, {vocab})")
+        if not self.fits(n, pages):
+            raise ValueError(f"{n} sequences or {max(map(len, pages))} pages exceed the captured buffers")
+        size = next(s for s in self.sizes if s >= n)
+        pos = np.asarray(cached_lens, dtype=np.int64)
+        table = np.zeros((size, self.max_pages), dtype=np.int32)
+        for s, p in enumerate(pages):
+            table[s, : len(p)] = p
+        slots = np.full(size, -1, dtype=np.int64)
+        slots[:n] = table[np.arange(n), pos // self.page_size].astype(np.int64) * self.page_size + pos % self.page_size
+        seqlens = np.ones(size, dtype=np.int64)
+        seqlens[:n] = pos + 1
+        padded_pos = np.zeros(size, dtype=np.int64)
+        padded_pos[:n] = pos
+        padded_tokens = np.zeros((size, tokens.shape[1]), dtype=np.int64)
+        padded_tokens[:n] = tokens
+        for dst, src in (
+            (self.tokens, padded_tokens),
+            (self.positions, padded_pos),
+            (self.slots, slots),
+            (self.page_table, table),
+            (self.seqlens_k, seqlens),
+        ):
+            dst[:size].copy_(torch.from_numpy(src))
+        if self.capture:
+            self.graphs[size].replay()
+            return self.logits[size][:n].clone()
+        return self._step(size)[:n]
