@@ -80,14 +80,16 @@ class _ConvTranspose1d:
 
 
 class _LSTM:
-    """EnCodec's LSTM with its skip connection, stepped by hand.
+    """EnCodec's LSTM with its skip connection: torch's fused LSTM on a GPU, stepped by hand on a CPU.
 
     torch's CPU LSTM (oneDNN) re-packs its weights on every call, which costs more than the step itself when a call
-    holds a few frames. Here the input projection of all frames is one matmul and each frame one matmul per layer.
+    holds a few frames. There the input projection of all frames is one matmul and each frame one matmul per layer.
+    On a GPU that is ~10 kernel launches a frame and layer, more than the rest of the codec: cuDNN's LSTM is one.
     """
 
     def __init__(self, m: EncodecLSTM):
         lstm = m.lstm
+        self.lstm = lstm
         self.layers = [
             (
                 getattr(lstm, f"weight_ih_l{i}").T.contiguous(),
@@ -99,6 +101,15 @@ class _LSTM:
         self.hidden = lstm.hidden_size
 
     def __call__(self, x: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
+        return self.fused(x, state) if x.is_cuda else self.stepped(x, state)
+
+    def fused(self, x: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
+        seq = x.permute(2, 0, 1)  # [T, B, C], as nn.LSTM (not batch-first) takes it
+        start = None if state is None else tuple(s.transpose(0, 1).contiguous() for s in state)  # [layers, B, H]
+        out, (h, c) = self.lstm(seq, start)
+        return (out + seq).permute(1, 2, 0), (h.transpose(0, 1), c.transpose(0, 1))
+
+    def stepped(self, x: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
         seq = x.transpose(1, 2)  # [B, T, C]
         batch, steps = seq.shape[0], seq.shape[1]
         if state is None:

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import EncodecConfig, EncodecModel
 
-from codec import BANDWIDTHS, EncodecTokenizer
+from codec import BANDWIDTHS, EncodecTokenizer, streaming
 from server.audio import load_wav
 from server.speech import SAMPLE_PATH, have_espeak, synthesize
 
@@ -201,6 +201,21 @@ def test_streaming_decoder_rows_are_independent(tok: EncodecTokenizer) -> None:
     dec.reset(0)
     again = torch.cat([dec.push(codes[2:3, :, a : a + 10], rows=[0])[0] for a in range(0, 20, 10)])
     assert (again - full[2]).abs().max() <= 1e-5
+
+
+def test_fused_lstm_steps_like_the_hand_stepped_one(tok: EncodecTokenizer) -> None:
+    """A GPU runs EnCodec's LSTM through torch's fused LSTM: same outputs and carried (h, c) as the CPU stepping,
+    chunk after chunk, rows first in the state as the streaming rows need."""
+    lstm = next(layer for layer in tok.decoder_net.layers if isinstance(layer, streaming._LSTM))
+    x = torch.randn(3, lstm.hidden, 9, generator=torch.Generator().manual_seed(0))
+    fused_state = stepped_state = None
+    for a, b in ((0, 1), (1, 5), (5, 9)):
+        fused, fused_state = lstm.fused(x[..., a:b], fused_state)
+        stepped, stepped_state = lstm.stepped(x[..., a:b], stepped_state)
+        torch.testing.assert_close(fused, stepped, rtol=1e-5, atol=1e-5)
+        for f, s in zip(fused_state, stepped_state, strict=True):
+            assert f.shape == s.shape == (3, lstm.lstm.num_layers, lstm.hidden)
+            torch.testing.assert_close(f, s, rtol=1e-5, atol=1e-5)
 
 
 # ---- streaming encoder --------------------------------------------------------------------------------------------
