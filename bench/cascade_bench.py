@@ -44,6 +44,7 @@ from bench.common import (
     percentiles,
     print_table,
     save_outputs,
+    write_json,
 )
 from codec.tokenizer import FRAME_SIZE, SAMPLE_RATE
 from s2s import ModelConfig
@@ -230,6 +231,7 @@ def summarize(results: list[TurnResult]) -> dict:
         "refusals": sum(r.refused for r in results),
         "errors": sum(bool(r.errors) and not r.refused for r in results),
         "first_error": next((r.errors[0] for r in results if r.errors and not r.refused), None),
+        "first_refusal": next((e for r in results for e in r.errors if e.startswith("refused")), None),
     }
     if ok:
         lat = percentiles([r.latency_s for r in ok], 1000)
@@ -356,6 +358,7 @@ def main(argv: list[str] | None = None) -> None:
                                 **summarize(results),
                             }
                         )
+                        write_json(args.json, rows)  # each level as it finishes: a cut run keeps what it measured
                         bar.update()
     columns = [
         ("system", "system"),

@@ -40,6 +40,7 @@ from bench.common import (
     percentiles,
     print_table,
     save_outputs,
+    write_json,
 )
 from server.client import SAMPLE_RATE, talk
 from server.process import ServerProcess
@@ -77,6 +78,11 @@ def utterances(seconds: float, count: int) -> list[np.ndarray]:
     return out
 
 
+def _refusal(errors: list[str]) -> str | None:
+    """The server's reason for refusing the conversation (it names the predicted tick time), or None."""
+    return next((e for e in errors if "refused" in e), None)
+
+
 async def duplex_client(url: str, pcm: np.ndarray) -> dict:
     """One duplex conversation; the lag of each received chunk against the send clock."""
     arrivals: list[tuple[float, int]] = []
@@ -85,14 +91,14 @@ async def duplex_client(url: str, pcm: np.ndarray) -> dict:
     for t, n in arrivals:
         received += n  # output sample k answers the user's sample k, spoken at speech_started + k / SAMPLE_RATE
         lags.append(t - result.speech_started - received / SAMPLE_RATE)
-    return {"refused": any("refused" in e for e in result.errors), "latency_s": lags, "audio_s": received / SAMPLE_RATE}
+    return {"refusal": _refusal(result.errors), "latency_s": lags, "audio_s": received / SAMPLE_RATE}
 
 
 async def turn_client(url: str, pcm: np.ndarray) -> dict:
     result = await talk(url, pcm, mode="turn", codec="pcm16", listen_s=3.0)
     lat = [result.turn_latency_s] if result.turn_latency_s is not None else []
     return {
-        "refused": any("refused" in e for e in result.errors),
+        "refusal": _refusal(result.errors),
         "latency_s": lat,
         "audio_s": len(result.reply) / SAMPLE_RATE,
     }
@@ -125,7 +131,14 @@ async def run_level(url: str, pid: int, mode: str, speech_per_client: list[np.nd
     await poller
     await asyncio.sleep(1.0)  # closes reach the engine
     after = scrape(url)
-    served = [d for d in done if not d["refused"]]
+    served = [d for d in done if d["refusal"] is None]
+    ticks = after["s2s_ticks_total"] - before["s2s_ticks_total"]
+    phases = {
+        f"tick_{phase}_ms": 1000 * (after[key] - before[key]) / ticks if ticks else float("nan")
+        for key in after
+        if key.startswith("s2s_tick_phase_seconds_total{")
+        for phase in [key.split('"')[1]]
+    }
     lat = [x for d in served for x in d["latency_s"]]
     pct = percentiles(lat, 1000) if lat else {"p50": float("nan"), "p95": float("nan"), "p99": float("nan")}
     return {
@@ -141,6 +154,11 @@ async def run_level(url: str, pid: int, mode: str, speech_per_client: list[np.nd
         "peak_mem_bytes": peak["rss"],
         "peak_kv_pages": int(peak["pages"]),
         "leaked_private_pages": int(after['s2s_kv_pages{state="private"}']),
+        "tick_ms_mean": 1000 * (after["s2s_busy_seconds_total"] - before["s2s_busy_seconds_total"]) / ticks
+        if ticks
+        else float("nan"),
+        **phases,
+        "first_refusal": next((d["refusal"] for d in done if d["refusal"] is not None), None),
     }
 
 
@@ -183,6 +201,7 @@ def main() -> None:
                         **environment(),
                     }
                 )
+                write_json(args.json, rows)  # each level as it finishes: a run cut short keeps what it measured
                 bar.update()
     bar.close()
     columns = [
@@ -195,6 +214,10 @@ def main() -> None:
         ("rtf_mean", "engine RTF"),
         ("throughput_x_realtime", "throughput x rt"),
         ("deadline_misses", "misses"),
+        ("tick_ms_mean", "tick ms"),
+        ("tick_model_ms", "model ms"),
+        ("tick_encode_ms", "encode ms"),
+        ("tick_decode_ms", "decode ms"),
         ("peak_kv_pages", "peak K/V pages"),
         ("peak_mem_bytes", "peak RSS B"),
     ]

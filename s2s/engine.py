@@ -42,6 +42,7 @@ from s2s.sampling import SamplingParams, sample
 from s2s.scheduler import Scheduler, Work
 
 FRAME_S = 320 / 24000
+CALIBRATION_WARMUP = 4  # ticks at each calibration size not learnt from: both codec streams warm up over 7 frames
 
 
 @dataclass
@@ -177,6 +178,8 @@ class Engine:
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by `end_turn`: the engine thread ticks at once
         self._lock = threading.RLock()  # guards conversation state against calls from other threads
+        if self.pool.k[0].is_cuda:
+            self.warm_up_prefill()
         self._calibrate()
 
     def add_voice(self, name: str, codes: np.ndarray | torch.Tensor) -> None:
@@ -193,24 +196,52 @@ class Engine:
             raise ValueError(f"{what} must lie in [0, {cfg.codebook_size})")
         return codes
 
+    @torch.inference_mode()
+    def warm_up_prefill(self) -> None:
+        """Run the attention kernel's prefill variants once, storing nothing: Triton builds a kernel the first time
+        it sees a tile shape, which takes seconds, and a turn's prefill in service must not wait for it (decode
+        rounds warm up with the graphs and in calibration). The tile follows new steps per sequence: 1, 16 and 64
+        cover all of them."""
+        device, ps = self.pool.k[0].device, self.cfg.page_size
+        for steps in (1, 16, 64):
+            batch = PagedBatch(
+                positions=torch.arange(steps, device=device),
+                slot_mapping=torch.full((steps,), -1, dtype=torch.long, device=device),
+                page_table=torch.zeros(1, -(-steps // ps), dtype=torch.int32, device=device),
+                cu_seqlens_q=torch.tensor([0, steps], dtype=torch.int32, device=device),
+                seqlens_k=torch.tensor([steps], device=device),
+                page_size=ps,
+                cached_lens=[0],
+                new_lens=[steps],
+                pages=[[0] * -(-steps // ps)],
+            )
+            tokens = torch.zeros(steps, self.model.config.step_width, dtype=torch.long, device=device)
+            self.model.forward_paged(tokens, batch, self.pool.k, self.pool.v)
+
     def _calibrate(self) -> None:
         """Seed the cost model with real ticks (codec and model) on silent duplex conversations, like vLLM's
         profiling run, so that admission is right from the first burst; then forget them."""
-        silence = np.zeros(320, dtype=np.float32)
-        zeros = np.zeros((self.model.config.num_codebooks, 1), dtype=np.int64)
+        # each conversation brings a tick's worth of frames, as in service: ticks of frames_per_tick rounds
+        frames = self.cfg.frames_per_tick
+        silence = np.zeros(320 * frames, dtype=np.float32)
+        zeros = np.zeros((self.model.config.num_codebooks, frames), dtype=np.int64)
         for n in (1, 1, 2, 4):  # the first pass only warms up (kernel builds, allocators) and is forgotten
             if n == 1 and self.cost.samples:
                 self.cost = CostModel()
             if n > self.cfg.max_conversations or not self.cfg.calibration_ticks:
                 break
             cids = [self.open("duplex", sampling=SamplingParams(seed=i), admit=False) for i in range(n)]
-            for _ in range(self.cfg.calibration_ticks):
+            kept = len(self.cost.samples)
+            for tick in range(CALIBRATION_WARMUP + self.cfg.calibration_ticks):
                 for cid in cids:
                     if self.tok is None:
                         self.push_codes(cid, zeros)
                     else:
                         self.push_audio(cid, silence)
                 self.step()
+                if tick < CALIBRATION_WARMUP:  # first calls at a new batch size, streams starting: not service
+                    while len(self.cost.samples) > kept:
+                        self.cost.samples.pop()
             for cid in cids:
                 self._detach(self.convs.pop(cid))
                 del self.pending_input[cid], self.events[cid]
@@ -431,25 +462,36 @@ class Engine:
     def step(self) -> None:
         with self._lock:
             start = self.clock()
+            phases = self.stats.phase_seconds
             self._encode()
+            t_encoded = self.clock()
             self._start_replies()
             self._rematch()
-            decode_steps = prefill_steps = 0
+            decode_steps = prefill_steps = rounds = 0
             for i in range(self.cfg.frames_per_tick):  # each round: one step of every due conversation
+                t = self.clock()
                 work = self.scheduler.pick(list(self.convs.values()), start, self._deadline, prefill=i == 0)
                 work = self._reserve_pages(work)
                 if not work:
                     break
+                t_picked = self.clock()
                 self._forward(work)
-                self._sample([w.conv for w in work])
+                self._sample([w.conv for w in work])  # waits for the forward: on a GPU its time lands here
+                t_sampled = self.clock()
                 self._advance_replies()
+                rounds += 1
                 decode_steps += sum(1 for w in work if w.decode)
                 prefill_steps += sum(len(w.tokens) for w in work if not w.decode)
+                phases["schedule"] += t_picked - t
+                phases["model"] += t_sampled - t_picked
+            t_decode = self.clock()
             self._decode_audio()
+            phases["decode"] += self.clock() - t_decode
             self._finish_replies()
             elapsed = self.clock() - start
+            phases["encode"] += t_encoded - start
             # the whole tick, codec included: that is what must fit the frame budget
-            self.cost.observe(decode_steps, prefill_steps, elapsed)
+            self.cost.observe(rounds, decode_steps, prefill_steps, elapsed)
             self.stats.record_tick(elapsed, decode_steps, prefill_steps, len(self.convs), self.cache.stats())
 
     def _encode(self) -> None:
@@ -857,7 +899,7 @@ class Engine:
         # Every conversation counts as a real-time stream: a turn-mode one replies one step per frame, like duplex,
         # and all of them may reply at once. Counting only duplex let 16 turn conversations starve together.
         streams = len(self.convs) + 1
-        predicted = self.cost.predict(streams * self.cfg.frames_per_tick, 0)
+        predicted = self.cost.predict(self.cfg.frames_per_tick, streams * self.cfg.frames_per_tick)
         budget = self.cfg.tick_s * self.cfg.admission_headroom
         if predicted is not None and predicted > budget:
             return (

@@ -9,39 +9,44 @@ import numpy as np
 
 
 class CostModel:
-    """tick seconds ~ a + b * decode steps + c * prefill steps, least squares over the recent ticks."""
+    """tick seconds ~ a + r * rounds + b * decode steps + c * prefill steps, least squares over the recent ticks.
+
+    A tick runs up to `frames_per_tick` rounds, each one batched forward and sampling over every due conversation.
+    On a GPU a small model's round costs its kernel launches whatever the batch, so cost follows rounds, not steps;
+    on a CPU it follows steps. Modelling only steps (as this did) read a GPU's per-round cost as a per-step one and
+    refused a second conversation that fitted.
+    """
 
     def __init__(self, window: int = 400):
-        self.samples: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self.samples: deque[tuple[int, int, int, float]] = deque(maxlen=window)
         self._coef: np.ndarray | None = None
         self._dirty = False
 
-    def observe(self, decode_steps: int, prefill_steps: int, seconds: float) -> None:
+    def observe(self, rounds: int, decode_steps: int, prefill_steps: int, seconds: float) -> None:
         if decode_steps or prefill_steps:
-            self.samples.append((decode_steps, prefill_steps, seconds))
+            self.samples.append((rounds, decode_steps, prefill_steps, seconds))
             self._dirty = True
 
-    def predict(self, decode_steps: int, prefill_steps: int) -> float | None:
-        """Predicted model seconds of a tick, or None before there is data to say."""
+    def predict(self, rounds: int, decode_steps: int, prefill_steps: int = 0) -> float | None:
+        """Predicted seconds of a tick, or None before there is data to say."""
         if self._dirty:
             self._fit()
         if self._coef is None:
             return None
-        a, b, c = self._coef
-        return float(a + b * decode_steps + c * prefill_steps)
+        return float(self._coef @ np.array([1.0, rounds, decode_steps, prefill_steps]))
 
     def _fit(self) -> None:
         self._dirty = False
         if not self.samples:
             return
         s = np.asarray(self.samples, dtype=np.float64)
-        if len(s) < 16 or len(np.unique(s[:, 0])) < 2:
+        if len(s) < 16 or len(np.unique(s[:, 1])) < 2:
             # little data, or one batch size so far: assume cost proportional to the steps (cautious)
-            steps = np.maximum(s[:, 0] + 0.05 * s[:, 1], 1)
-            self._coef = np.array([0.0, float(np.percentile(s[:, 2] / steps, 90)), 0.0])
+            steps = np.maximum(s[:, 1] + 0.05 * s[:, 2], 1)
+            self._coef = np.array([0.0, 0.0, float(np.percentile(s[:, 3] / steps, 90)), 0.0])
             return
-        x = np.column_stack([np.ones(len(s)), s[:, 0], s[:, 1]])
-        coef, *_ = np.linalg.lstsq(x, np.asarray(s[:, 2]), rcond=None)
+        x = np.column_stack([np.ones(len(s)), s[:, :3]])
+        coef, *_ = np.linalg.lstsq(x, s[:, 3], rcond=None)
         self._coef = np.maximum(coef, 0.0)
 
 
@@ -56,6 +61,11 @@ class EngineStats:
     prefill_steps: int = 0  # steps computed other than as a sampled decode step (what a prefix cache saves)
     copied_steps: int = 0  # steps whose K/V were copied from a page others hold instead of computed (copy-on-write)
     tick_seconds: deque = field(default_factory=lambda: deque(maxlen=10000))
+    # where tick time goes: the codec's encoder and decoder, scheduling, the model (forward and sampling); the
+    # rest of busy_seconds is bookkeeping (replies starting and ending, prefix re-matching)
+    phase_seconds: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("encode", "schedule", "model", "decode"), 0.0)
+    )
     last: dict = field(default_factory=dict)
 
     def record_tick(self, seconds: float, decode_steps: int, prefill_steps: int, conversations: int, cache) -> None:

@@ -114,6 +114,10 @@ class _EngineCollector:
         )
         yield CounterMetricFamily("s2s_cache_hit_steps", "prefix cache hit steps", value=cache.hit_steps)
         yield CounterMetricFamily("s2s_cache_missed_steps", "prefix cache missed steps", value=cache.missed_steps)
+        phases = CounterMetricFamily("s2s_tick_phase_seconds", "time spent in ticks, by phase", labels=["phase"])
+        for phase, seconds in e.stats.phase_seconds.items():
+            phases.add_metric([phase], seconds)
+        yield phases
         ticks = list(e.stats.tick_seconds)[-1000:]
         if ticks:
             yield GaugeMetricFamily("s2s_tick_seconds_p50", "tick time p50, last 1000", value=float(np.median(ticks)))

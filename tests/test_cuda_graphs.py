@@ -132,3 +132,16 @@ def test_an_engine_on_graphs_streams_what_the_eager_engine_streams() -> None:
     for eager, graphed in zip(*streams, strict=True):
         assert eager.shape[1] >= 30  # they spoke
         np.testing.assert_array_equal(eager, graphed)
+
+
+def test_the_prefill_warm_up_stores_nothing() -> None:
+    """On a GPU the engine runs the attention kernel's prefill tiles at start (Triton builds each on first use):
+    the pool must come out as it went in."""
+    model = S2SModel.from_seed(ModelConfig.preset("tiny", num_codebooks=1, codebook_size=256), seed=0, device=DEVICE)
+    engine = Engine(model, None, EngineConfig(num_pages=8, calibration_ticks=0, cuda_graphs=False))
+    for t in engine.pool.k + engine.pool.v:
+        t.normal_()
+    before = [t.clone() for t in engine.pool.k + engine.pool.v]
+    engine.warm_up_prefill()
+    for t, b in zip(engine.pool.k + engine.pool.v, before, strict=True):
+        assert torch.equal(t, b)

@@ -397,7 +397,7 @@ def test_admission_counts_turn_conversations_and_an_idle_engine_admits(model, to
     engine = Engine(model, tok, cfg)
     for streams in (1, 2, 4):  # what an overload taught it: a tick takes 10 tick budgets per stream
         for _ in range(20):
-            engine.cost.observe(streams * cfg.frames_per_tick, 0, 10 * cfg.tick_s * streams)
+            engine.cost.observe(cfg.frames_per_tick, streams * cfg.frames_per_tick, 0, 10 * cfg.tick_s * streams)
     first = engine.open("turn")
     with pytest.raises(Refused, match="deadline"):
         engine.open("turn")

@@ -1,0 +1,44 @@
+"""s2s/metrics.py CostModel: the tick cost that admission control predicts, on a CPU and on a GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from s2s.metrics import CostModel
+
+FRAMES_PER_TICK = 4
+
+
+def served(cost: CostModel, tick_s, conversations: list[int], seed: int = 0) -> None:
+    """Ticks as an engine sees them: full ticks of FRAMES_PER_TICK rounds, and, as clients' 80 ms blocks do not
+    line up with the ticks, some of fewer rounds; every round steps every conversation. 1 % timing noise."""
+    rng = np.random.default_rng(seed)
+    for n in conversations:
+        for rounds in [FRAMES_PER_TICK] * 12 + [1, 2, 3]:
+            cost.observe(rounds, rounds * n, 0, tick_s(rounds, rounds * n) * rng.normal(1, 0.01))
+
+
+@pytest.mark.parametrize(
+    "machine, tick_s",
+    [
+        ("gpu: launches per round, batch size ~free", lambda rounds, steps: 0.004 + 0.006 * rounds + 0.0001 * steps),
+        ("cpu: compute per step", lambda rounds, steps: 0.002 + 0.0005 * rounds + 0.006 * steps),
+    ],
+)
+def test_predicts_the_tick_of_more_conversations(machine, tick_s) -> None:
+    cost = CostModel()
+    served(cost, tick_s, [1, 2, 4])
+    for n in (2, 8, 32):
+        want = tick_s(FRAMES_PER_TICK, FRAMES_PER_TICK * n)
+        assert cost.predict(FRAMES_PER_TICK, FRAMES_PER_TICK * n) == pytest.approx(want, rel=0.05), machine
+
+
+def test_is_cautious_before_it_has_seen_two_batch_sizes() -> None:
+    cost = CostModel()
+    assert cost.predict(FRAMES_PER_TICK, 8) is None
+    for _ in range(20):
+        cost.observe(FRAMES_PER_TICK, FRAMES_PER_TICK, 0, 0.02)
+    assert cost.predict(FRAMES_PER_TICK, 8) == pytest.approx(0.04)  # proportional to the steps
+    cost.observe(FRAMES_PER_TICK, 0, 0, 1.0)  # an idle tick teaches nothing
+    assert len(cost.samples) == 20
