@@ -331,6 +331,19 @@ def main(argv: list[str] | None = None) -> None:
         for tts in ("espeak", "engine")
     ]
     plan.append((["--cascade", *common], cascade))
+    env = {
+        **environment(),
+        "quick": args.quick,
+        "preset": PRESET,
+        "reply_frames": reply_frames,
+        "levels": levels,
+        "silences_s": silences,
+        "server_device": device,
+        "cuda_graphs": not args.enforce_eager,
+        "client_timeout_s": timeout_s,
+        "codec": "pcm16",
+        "max_delay": max_delay,
+    }
     rows = []
     with tqdm(total=sum(len(runs) for _, runs in plan) * len(levels), desc="cascade bench", file=sys.stderr) as bar:
         for server_args, runs in plan:
@@ -358,7 +371,8 @@ def main(argv: list[str] | None = None) -> None:
                                 **summarize(results),
                             }
                         )
-                        write_json(args.json, rows)  # each level as it finishes: a cut run keeps what it measured
+                        # each level as it finishes: a run cut short keeps what it measured
+                        write_json(args.json, [{**env, **r} for r in rows])
                         bar.update()
     columns = [
         ("system", "system"),
@@ -394,20 +408,7 @@ def main(argv: list[str] | None = None) -> None:
             ("duplex_at_most_third", "duplex <= 1/3"),
         ],
     )
-    env = {
-        **environment(),
-        "quick": args.quick,
-        "preset": PRESET,
-        "reply_frames": reply_frames,
-        "levels": levels,
-        "silences_s": silences,
-        "server_device": device,
-        "cuda_graphs": not args.enforce_eager,
-        "client_timeout_s": timeout_s,
-        "codec": "pcm16",
-        "max_delay": max_delay,
-        "bench_peak_rss_bytes": peak_rss_bytes(),
-    }
+    env["bench_peak_rss_bytes"] = peak_rss_bytes()
     plot(rows, args.plot, device)
     save_outputs(args, [{**env, **r} for r in rows], tables)
 

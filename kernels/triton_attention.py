@@ -76,7 +76,9 @@ def _find_seq(cu_seqlens_q_ptr, num_seqs, block_idx, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+# Triton compiles a variant per integer argument equal to 1 or divisible by 16: the sequence count and the page
+# table's width vary in service, and a variant built mid-service stalls a tick for seconds.
+@triton.jit(do_not_specialize=["num_seqs", "stride_pt"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,

@@ -87,19 +87,21 @@ class DecodeGraphs:
     def _capture_all(self) -> None:
         """Largest bucket first, all in one memory pool (later, smaller graphs reuse the first one's blocks)."""
         pool = None
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: builds the Triton kernels and the allocator's blocks
-            for size in self.sizes:
-                self._step(size)
-        torch.cuda.current_stream().wait_stream(side)
-        for size in reversed(self.sizes):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._step(size)
-            pool = graph.pool()
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
+        device = self.tokens.device
+        with torch.cuda.device(device):  # the pool's GPU as current: Triton launches on the current device
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # warm-up: builds the Triton kernels and the allocator's blocks
+                for size in self.sizes:
+                    self._step(size)
+            torch.cuda.current_stream(device).wait_stream(side)
+            for size in reversed(self.sizes):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.logits[size] = self._step(size)
+                pool = graph.pool()
+                self.graphs[size] = graph
+            torch.cuda.synchronize(device)
 
     def fits(self, num_seqs: int, pages: list[list[int]]) -> bool:
         return num_seqs <= self.sizes[-1] and all(len(p) <= self.max_pages for p in pages)
@@ -115,6 +117,9 @@ class DecodeGraphs:
             raise ValueError(f"step tokens must lie in [0, {vocab})")
         if not self.fits(n, pages):
             raise ValueError(f"{n} sequences or {max(map(len, pages))} pages exceed the captured buffers")
+        short = [s for s, (c, p) in enumerate(zip(cached_lens, pages, strict=True)) if len(p) * self.page_size <= c]
+        if short:
+            raise ValueError(f"sequences {short} have no page for their new step")
         size = next(s for s in self.sizes if s >= n)
         pos = np.asarray(cached_lens, dtype=np.int64)
         table = np.zeros((size, self.max_pages), dtype=np.int32)

@@ -19,6 +19,7 @@ conversation is fed either audio or codes, not both).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import queue
@@ -42,7 +43,9 @@ from s2s.sampling import SamplingParams, sample
 from s2s.scheduler import Scheduler, Work
 
 FRAME_S = 320 / 24000
-CALIBRATION_WARMUP = 4  # ticks at each calibration size not learnt from: both codec streams warm up over 7 frames
+# frames at each calibration size the cost model does not learn from: first calls at a new batch size, and the
+# codec's streams starting (the encoder holds its first codes for 7 frames, then the decoder re-decodes 7)
+CALIBRATION_WARMUP_FRAMES = 16
 
 
 @dataclass
@@ -179,7 +182,8 @@ class Engine:
         self._wake = threading.Event()  # set by `end_turn`: the engine thread ticks at once
         self._lock = threading.RLock()  # guards conversation state against calls from other threads
         if self.pool.k[0].is_cuda:
-            self.warm_up_prefill()
+            with self._on_device():
+                self.warm_up_prefill()
         self._calibrate()
 
     def add_voice(self, name: str, codes: np.ndarray | torch.Tensor) -> None:
@@ -200,10 +204,11 @@ class Engine:
     def warm_up_prefill(self) -> None:
         """Run the attention kernel's prefill variants once, storing nothing: Triton builds a kernel the first time
         it sees a tile shape, which takes seconds, and a turn's prefill in service must not wait for it (decode
-        rounds warm up with the graphs and in calibration). The tile follows new steps per sequence: 1, 16 and 64
-        cover all of them."""
+        rounds warm up with the graphs and in calibration). The tile's rows are new steps per sequence times the
+        query heads sharing a K/V head, rounded to 16, 32 or 64: these three step counts reach each of them."""
         device, ps = self.pool.k[0].device, self.cfg.page_size
-        for steps in (1, 16, 64):
+        group = self.model.config.num_attention_heads // self.model.config.num_key_value_heads
+        for steps in (1, max(1, 32 // group), 64):
             batch = PagedBatch(
                 positions=torch.arange(steps, device=device),
                 slot_mapping=torch.full((steps,), -1, dtype=torch.long, device=device),
@@ -232,20 +237,22 @@ class Engine:
                 break
             cids = [self.open("duplex", sampling=SamplingParams(seed=i), admit=False) for i in range(n)]
             kept = len(self.cost.samples)
-            for tick in range(CALIBRATION_WARMUP + self.cfg.calibration_ticks):
+            warmup = math.ceil(CALIBRATION_WARMUP_FRAMES / frames)
+            for tick in range(warmup + self.cfg.calibration_ticks):
                 for cid in cids:
                     if self.tok is None:
                         self.push_codes(cid, zeros)
                     else:
                         self.push_audio(cid, silence)
                 self.step()
-                if tick < CALIBRATION_WARMUP:  # first calls at a new batch size, streams starting: not service
+                if tick < warmup:
                     while len(self.cost.samples) > kept:
                         self.cost.samples.pop()
             for cid in cids:
                 self._detach(self.convs.pop(cid))
                 del self.pending_input[cid], self.events[cid]
                 self.input_kind.pop(cid, None)
+        self.cost.pin()  # several batch sizes: service ticks alone may not tell rounds from steps
         self.stats = EngineStats()
 
     # ---- public API (thread-safe) ------------------------------------------------------------------------------
@@ -458,9 +465,15 @@ class Engine:
                 for c in self.convs.values()
             )
 
+    def _on_device(self) -> contextlib.AbstractContextManager:
+        """The pool's GPU as the thread's current one: Triton launches and CUDA graphs go to the current device,
+        which is per thread and cuda:0 unless set."""
+        device = self.pool.k[0].device
+        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
     @torch.inference_mode()
     def step(self) -> None:
-        with self._lock:
+        with self._lock, self._on_device():
             start = self.clock()
             phases = self.stats.phase_seconds
             self._encode()

@@ -15,12 +15,21 @@ class CostModel:
     On a GPU a small model's round costs its kernel launches whatever the batch, so cost follows rounds, not steps;
     on a CPU it follows steps. Modelling only steps (as this did) read a GPU's per-round cost as a per-step one and
     refused a second conversation that fitted.
+
+    `pin()` keeps the samples so far (the engine's calibration over several batch sizes) in every later fit: a
+    window of service ticks often holds one batch size, whose rounds and steps move together, and could not tell a
+    round's cost from a step's on its own.
     """
 
     def __init__(self, window: int = 400):
         self.samples: deque[tuple[int, int, int, float]] = deque(maxlen=window)
+        self.pinned: list[tuple[int, int, int, float]] = []
         self._coef: np.ndarray | None = None
         self._dirty = False
+
+    def pin(self) -> None:
+        self.pinned += self.samples
+        self.samples.clear()
 
     def observe(self, rounds: int, decode_steps: int, prefill_steps: int, seconds: float) -> None:
         if decode_steps or prefill_steps:
@@ -37,9 +46,9 @@ class CostModel:
 
     def _fit(self) -> None:
         self._dirty = False
-        if not self.samples:
+        if not self.samples and not self.pinned:
             return
-        s = np.asarray(self.samples, dtype=np.float64)
+        s = np.asarray(self.pinned + list(self.samples), dtype=np.float64)
         if len(s) < 16 or len(np.unique(s[:, 1])) < 2:
             # little data, or one batch size so far: assume cost proportional to the steps (cautious)
             steps = np.maximum(s[:, 1] + 0.05 * s[:, 2], 1)

@@ -132,7 +132,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (auto: the first CUDA GPU, else the CPU)")
     p.add_argument("--enforce-eager", action="store_true", help="on a GPU, run decode rounds without CUDA graphs")
     p.add_argument(
-        "--dtype", default="auto", help="model weights and K/V: float32, bfloat16, float16 (auto: bf16 on GPU)"
+        "--dtype",
+        default="auto",
+        help="model weights and K/V: float32, bfloat16, float16 (auto: bf16 on a GPU, whatever the checkpoint "
+        "holds; fp32 on a CPU)",
     )
 
 

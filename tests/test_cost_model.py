@@ -19,13 +19,16 @@ def served(cost: CostModel, tick_s, conversations: list[int], seed: int = 0) -> 
             cost.observe(rounds, rounds * n, 0, tick_s(rounds, rounds * n) * rng.normal(1, 0.01))
 
 
-@pytest.mark.parametrize(
+MACHINES = pytest.mark.parametrize(
     "machine, tick_s",
     [
         ("gpu: launches per round, batch size ~free", lambda rounds, steps: 0.004 + 0.006 * rounds + 0.0001 * steps),
         ("cpu: compute per step", lambda rounds, steps: 0.002 + 0.0005 * rounds + 0.006 * steps),
     ],
 )
+
+
+@MACHINES
 def test_predicts_the_tick_of_more_conversations(machine, tick_s) -> None:
     cost = CostModel()
     served(cost, tick_s, [1, 2, 4])
@@ -42,3 +45,22 @@ def test_is_cautious_before_it_has_seen_two_batch_sizes() -> None:
     assert cost.predict(FRAMES_PER_TICK, 8) == pytest.approx(0.04)  # proportional to the steps
     cost.observe(FRAMES_PER_TICK, 0, 0, 1.0)  # an idle tick teaches nothing
     assert len(cost.samples) == 20
+
+
+@MACHINES
+@pytest.mark.parametrize("rounds", [[FRAMES_PER_TICK], [1, 2, 3, FRAMES_PER_TICK]])
+def test_a_window_of_one_batch_size_keeps_the_calibrated_shape(machine, tick_s, rounds) -> None:
+    """The engine pins its calibration (1, 2 and 4 conversations); then one conversation for longer than the window.
+    With full ticks only, or with rounds moving with steps, the window alone cannot separate the two costs."""
+    cost = CostModel(window=400)
+    for n in (1, 2, 4):
+        for _ in range(16):
+            cost.observe(FRAMES_PER_TICK, FRAMES_PER_TICK * n, 0, tick_s(FRAMES_PER_TICK, FRAMES_PER_TICK * n))
+    cost.pin()
+    rng = np.random.default_rng(1)
+    for i in range(1000):
+        r = rounds[i % len(rounds)]
+        cost.observe(r, r, 0, tick_s(r, r) * rng.normal(1, 0.01))
+    for n in (2, 8):
+        want = tick_s(FRAMES_PER_TICK, FRAMES_PER_TICK * n)
+        assert cost.predict(FRAMES_PER_TICK, FRAMES_PER_TICK * n) == pytest.approx(want, rel=0.05), machine

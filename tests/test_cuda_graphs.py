@@ -40,12 +40,10 @@ def test_buckets_cover_every_batch_size() -> None:
     assert bucket_sizes(12) == [1, 2, 4, 8, 12]
 
 
-@pytest.mark.parametrize("n", [1, 3, 5])
-def test_a_padded_round_equals_the_eager_forward_and_writes_only_its_slots(model, n) -> None:
+def check_round(model: S2SModel, graphs: DecodeGraphs, k, v, n: int, seed: int) -> None:
+    """One round of n sequences through `graphs` equals the eager forward, logits and K/V both."""
     cfg = model.config
-    rng = np.random.default_rng(n)
-    k, v = pool(model, 40, seed=n)
-    graphs = DecodeGraphs(model, k, v, PAGE, max_batch=8, max_pages=6, capture=CAPTURE)  # bucket 4 or 8: padded
+    rng = np.random.default_rng(seed)
     perm = rng.permutation(np.arange(1, 40))
     cached = [int(c) for c in rng.integers(0, 20, n)]
     pages = [[int(p) for p in perm[6 * s : 6 * s + c // PAGE + 1]] for s, c in enumerate(cached)]
@@ -60,6 +58,21 @@ def test_a_padded_round_equals_the_eager_forward_and_writes_only_its_slots(model
     for layer in range(cfg.num_hidden_layers):  # the same K/V written, and nothing else (padding stores nothing)
         torch.testing.assert_close(k[layer], k_ref[layer], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(v[layer], v_ref[layer], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_a_padded_round_equals_the_eager_forward_and_writes_only_its_slots(model, n) -> None:
+    k, v = pool(model, 40, seed=n)
+    graphs = DecodeGraphs(model, k, v, PAGE, max_batch=8, max_pages=6, capture=CAPTURE)  # bucket 4 or 8: padded
+    check_round(model, graphs, k, v, n, seed=n)
+
+
+def test_buckets_replay_right_in_any_order(model) -> None:
+    """Graphs share one memory pool and one set of static buffers: a small round between two large ones."""
+    k, v = pool(model, 40, seed=9)
+    graphs = DecodeGraphs(model, k, v, PAGE, max_batch=8, max_pages=6, capture=CAPTURE)
+    for i, n in enumerate((6, 1, 6, 2)):
+        check_round(model, graphs, k, v, n, seed=10 + i)
 
 
 def test_the_logits_of_a_round_survive_the_next_round(model) -> None:
@@ -82,6 +95,8 @@ def test_bad_rounds_are_refused(model) -> None:
         graphs.run(ok + cfg.vocab_size, [0], [[1]])
     with pytest.raises(ValueError, match="step tokens"):
         graphs.run(np.zeros((1, 3), dtype=np.int64), [0], [[1]])
+    with pytest.raises(ValueError, match="no page"):
+        graphs.run(ok, [4], [[1]])  # position 4 needs a second page of 4 steps
     with pytest.raises(ValueError, match="exceed"):
         graphs.run(np.zeros((3, cfg.step_width), dtype=np.int64), [0, 0, 0], [[1], [2], [3]])
     assert not graphs.fits(1, [[1, 2, 3]])
