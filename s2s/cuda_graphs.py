@@ -122,7 +122,9 @@ class DecodeGraphs:
             raise ValueError(f"sequences {short} have no page for their new step")
         size = next(s for s in self.sizes if s >= n)
         pos = np.asarray(cached_lens, dtype=np.int64)
-        table = np.zeros((size, self.max_pages), dtype=np.int32)
+        # only the columns this round reads: the kernel never looks past a sequence's length, so what earlier rounds
+        # left further right is never read
+        table = np.zeros((size, max(map(len, pages))), dtype=np.int32)
         for s, p in enumerate(pages):
             table[s, : len(p)] = p
         slots = np.full(size, -1, dtype=np.int64)
@@ -137,7 +139,7 @@ class DecodeGraphs:
             (self.tokens, padded_tokens),
             (self.positions, padded_pos),
             (self.slots, slots),
-            (self.page_table, table),
+            (self.page_table[:, : table.shape[1]], table),
             (self.seqlens_k, seqlens),
         ):
             dst[:size].copy_(torch.from_numpy(src))
