@@ -62,7 +62,7 @@ def device_server_args(args: argparse.Namespace) -> list[str]:
 
 
 def device_name(device: str) -> str:
-    """What `s2s serve --device DEVICE` runs on, for tables and plots: "cpu" or the GPU's name."""
+    """What `--device DEVICE` (as `s2s serve` resolves it) runs on, for tables and plots: "cpu" or the GPU's name."""
     from server.cli import placement
 
     dev, _ = placement(device, "auto")

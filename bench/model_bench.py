@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache, LlamaModel
 
-from bench.common import environment, parser, peak_rss_bytes, percentiles, print_table, save_outputs, timed
+from bench.common import device_name, environment, parser, peak_rss_bytes, percentiles, print_table, save_outputs, timed
 from s2s import ModelConfig, PagedBatch, S2SModel
 from s2s.cuda_graphs import DecodeGraphs
 from server.cli import placement
@@ -215,9 +215,8 @@ def main(argv: list[str] | None = None) -> None:
             ),
         ],
     )
-    device_label = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     env = {**environment(), "quick": args.quick, "device": str(device), "dtype": str(dtype).removeprefix("torch.")}
-    plot(rows, args.plot, device_label)
+    plot(rows, args.plot, device_name(args.device))
     save_outputs(args, [{**env, **r} for r in rows], tables)
 
 
