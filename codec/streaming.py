@@ -84,7 +84,8 @@ class _LSTM:
 
     torch's CPU LSTM (oneDNN) re-packs its weights on every call, which costs more than the step itself when a call
     holds a few frames. There the input projection of all frames is one matmul and each frame one matmul per layer.
-    On a GPU that is ~10 kernel launches a frame and layer, more than the rest of the codec: cuDNN's LSTM is one.
+    On a GPU that is ~14 kernel launches a frame and layer, 226 of the codec's ~500 a tick (`s2s bench launches`):
+    cuDNN's LSTM is one.
     """
 
     def __init__(self, m: EncodecLSTM):

@@ -1,11 +1,11 @@
 """DecodeGraphs: the decode step (one new step for each of B conversations) replayed from CUDA graphs.
 
-The models served here are small, and a duplex tick runs several decode rounds, so on a GPU a round is ~80 kernel
-launches of microseconds each: the CPU issuing them, not the GPU, sets the tick time (measured on an H200: one
-conversation's tick took 60 % of its frame budget in eager mode). As in vLLM, each batch size of a bucket list is
-captured once into a graph over static input buffers; a round copies its inputs into them and replays the graph of
-the smallest bucket that holds it. Rows past the real batch are padding: slot -1 (its K/V is not stored), one key
-(page 0, read and ignored), and their logits are dropped.
+The models served here are small, and a duplex tick runs several decode rounds, so on a GPU a round is ~325 kernel
+launches (`small`, counted by `s2s bench launches`) of microseconds each: the CPU issuing them, not the GPU, sets
+the tick time (measured on an H200: one conversation's tick took 60 % of its frame budget in eager mode). As in
+vLLM, each batch size of a bucket list is captured once into a graph over static input buffers; a round copies its
+inputs into them and replays the graph of the smallest bucket that holds it. Rows past the real batch are padding:
+slot -1 (its K/V is not stored), one key (page 0, read and ignored), and their logits are dropped.
 
 The Triton kernels need no host sync on their inputs, which is what makes the step capturable; token ids are checked
 on the host before they are copied in (`S2SModel.embed` checks them on the device, a sync a graph cannot hold).

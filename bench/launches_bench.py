@@ -1,0 +1,129 @@
+"""Launches benchmark: torch ops per engine tick, by phase, in eager mode.
+
+    s2s bench launches [--quick] [--json PATH] [--plot PATH]
+
+The models served here are small, so on a GPU a tick's time is mostly the CPU issuing kernels, about one per torch
+op. This counts the ops (every aten call, through a TorchDispatchMode) of ticks of 1 and 4 silent duplex
+conversations, 4 frames a tick, on the CPU with the eager paths: the model's forward, sampling, the codec's encoder
+and decoder, and within them EnCodec's LSTM as the CPU steps it (a GPU runs cuDNN's fused LSTM instead, and decode
+rounds on CUDA graphs, neither of which runs here). Counts do not depend on the machine; no time is measured.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from bench.common import environment, parser, print_table, save_outputs
+from codec import EncodecTokenizer, streaming
+from s2s import Engine, EngineConfig, ModelConfig, S2SModel, SamplingParams
+
+PHASES = {"_encode": "encode", "_forward": "forward", "_sample": "sample", "_decode_audio": "decode"}
+FRAMES_PER_TICK = 4
+
+
+class _Count(TorchDispatchMode):
+    """Counts aten calls under the innermost label of `stack`."""
+
+    def __init__(self, stack: list[str], counts: collections.Counter):
+        super().__init__()
+        self.stack, self.counts = stack, counts
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[self.stack[-1]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _labelled(fn, label: str, stack: list[str]):
+    def run(*args, **kwargs):
+        stack.append(label)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            stack.pop()
+
+    return run
+
+
+def count(preset: str, conversations: int, ticks: int) -> dict:
+    """Mean ops per tick by phase, over `ticks` ticks after the codec's streams have warmed up."""
+    tok = EncodecTokenizer.from_pretrained()
+    model = S2SModel.from_seed(ModelConfig.preset(preset, num_codebooks=tok.num_codebooks), seed=0)
+    engine = Engine(model, tok, EngineConfig(calibration_ticks=0, frames_per_tick=FRAMES_PER_TICK))
+    stack, counts = ["other"], collections.Counter()
+    for method, label in PHASES.items():
+        setattr(engine, method, _labelled(getattr(engine, method), label, stack))
+    lstm = streaming._LSTM.stepped
+    streaming._LSTM.stepped = _labelled(lstm, "codec LSTM", stack)
+    try:
+        cids = [engine.open("duplex", sampling=SamplingParams(seed=i), admit=False) for i in range(conversations)]
+        silence = np.zeros(320 * FRAMES_PER_TICK, dtype=np.float32)
+        for tick in range(8 + ticks):  # 8 ticks: both codec streams past their 7-frame warm-up
+            for cid in cids:
+                engine.push_audio(cid, silence)
+            if tick < 8:
+                engine.step()
+                continue
+            with _Count(stack, counts):
+                engine.step()
+    finally:
+        streaming._LSTM.stepped = lstm
+    per_tick = {f"{label}_ops": counts[label] / ticks for label in [*PHASES.values(), "codec LSTM", "other"]}
+    return {
+        "preset": preset,
+        "conversations": conversations,
+        "frames_per_tick": FRAMES_PER_TICK,
+        **{k.replace(" ", "_").lower(): v for k, v in per_tick.items()},
+        "total_ops": sum(counts.values()) / ticks,
+    }
+
+
+def plot(rows: list[dict], path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels = [f"{r['preset']}, {r['conversations']} conv" for r in rows]
+    bottom = np.zeros(len(rows))
+    for key in ("forward_ops", "sample_ops", "encode_ops", "decode_ops", "codec_lstm_ops", "other_ops"):
+        h = np.array([r[key] for r in rows])
+        ax.bar(labels, h, bottom=bottom, label=key.removesuffix("_ops"))
+        bottom += h
+    ax.set_ylabel("torch ops per tick (eager)")
+    ax.set_title(f"Ops per tick, {FRAMES_PER_TICK} frames a tick")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser("launches", __doc__.splitlines()[0]).parse_args(argv)
+    torch.set_num_threads(1)
+    grid = [("small", 1)] if args.quick else [(p, n) for p in ("tiny", "small") for n in (1, 4)]
+    rows = [{**count(p, n, ticks=2 if args.quick else 4), **environment()} for p, n in grid]
+    tables = print_table(
+        "Torch ops per tick by phase (eager; one op is about one kernel launch on a GPU)",
+        rows,
+        [
+            ("preset", "preset"),
+            ("conversations", "conversations"),
+            ("forward_ops", "model forward"),
+            ("sample_ops", "sampling"),
+            ("encode_ops", "codec encoder"),
+            ("decode_ops", "codec decoder"),
+            ("codec_lstm_ops", "codec LSTM (stepped)"),
+            ("other_ops", "other"),
+            ("total_ops", "total"),
+        ],
+    )
+    plot(rows, args.plot)
+    save_outputs(args, rows, tables)
+
+
+if __name__ == "__main__":
+    main()
