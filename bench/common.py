@@ -16,6 +16,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from s2s import placement
+
 RESULTS_DIR = Path(__file__).parent / "results"
 # what the simulated users say (espeak-ng speaks them)
 SENTENCES = [
@@ -63,8 +65,6 @@ def device_server_args(args: argparse.Namespace) -> list[str]:
 
 def device_name(device: str) -> str:
     """What `--device DEVICE` (as `s2s serve` resolves it) runs on, for tables and plots: "cpu" or the GPU's name."""
-    from server.cli import placement
-
     dev, _ = placement(device, "auto")
     return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
 

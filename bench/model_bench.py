@@ -29,9 +29,8 @@ from tqdm import tqdm
 from transformers import DynamicCache, LlamaModel
 
 from bench.common import device_name, environment, parser, peak_rss_bytes, percentiles, print_table, save_outputs, timed
-from s2s import ModelConfig, PagedBatch, S2SModel
+from s2s import ModelConfig, PagedBatch, S2SModel, placement
 from s2s.cuda_graphs import DecodeGraphs
-from server.cli import placement
 
 PAGE_SIZE = 16
 

@@ -4,6 +4,7 @@ from s2s.batch import PagedBatch
 from s2s.config import ModelConfig
 from s2s.engine import AudioEvent, Engine, EngineConfig, MetaEvent, Refused
 from s2s.model import S2SModel, StepOutput
+from s2s.placement import placement
 from s2s.sampling import SamplingParams, sample
 
 __all__ = [
@@ -17,5 +18,6 @@ __all__ = [
     "S2SModel",
     "SamplingParams",
     "StepOutput",
+    "placement",
     "sample",
 ]

@@ -69,22 +69,13 @@ def roundtrip(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}")
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+def _placement(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    from s2s import placement
 
-
-def placement(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    """`--device`/`--dtype` as torch objects. "auto" is the first CUDA GPU in bfloat16 where there is one, else the
-    CPU in float32 (bf16 matmuls on a CPU are slower than fp32). The codec always runs in float32."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"--device {device}: torch sees no CUDA GPU here (use --device cpu)")
-    if dtype == "auto":
-        dtype = "bfloat16" if dev.type == "cuda" else "float32"
-    if dtype not in _DTYPES:
-        raise SystemExit(f"--dtype must be auto or one of {sorted(_DTYPES)}, got {dtype!r}")
-    return dev, _DTYPES[dtype]
+    try:
+        return placement(args.device, args.dtype)
+    except ValueError as e:
+        raise SystemExit(f"--device/--dtype: {e}") from None
 
 
 def _engine(args: argparse.Namespace):
@@ -93,7 +84,7 @@ def _engine(args: argparse.Namespace):
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device, dtype = placement(args.device, args.dtype)
+    device, dtype = _placement(args)
     tok = EncodecTokenizer.from_pretrained(args.codec, bandwidth=args.bandwidth, device=device)
     if args.model:
         model = S2SModel.from_pretrained(args.model, dtype=dtype, device=device)
@@ -154,7 +145,7 @@ async def _serve(args: argparse.Namespace) -> None:
     if args.cascade:
         from server.cascade import CascadeServer, text_engine_for
 
-        device, dtype = placement(args.device, args.dtype)
+        device, dtype = _placement(args)
         text = text_engine_for(
             args.preset,
             args.max_reply_frames,
