@@ -45,7 +45,10 @@ per tick, prefill budget 256 steps per tick (the engine's default), `calibration
 (`max_reply_frames`), max_context 4,096. Sampling is seeded per conversation, so every mode produces the same
 replies. Admission by tick cost is off (`admission_headroom=inf`: every mode sees the same arrivals; naive still
 refuses when its reservation does not fit) except in one pressure run. Every (workload, mode) runs `rounds` times
-with the order of modes rotating, TTFA samples pooled.
+with the order of modes rotating, TTFA samples pooled. Each round has its own seed (arrival times, prompts), the same
+in every mode: on this CPU a run of 16 conversations near saturation is one queueing history, and its TTFA p50 moves
+3x from one arrival pattern to the next, so repeating one pattern measures that pattern, not the cache. The ratio
+table gives each radix ratio a 90 % interval from a paired bootstrap over rounds (`round_interval`).
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Generator, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import matplotlib
 
@@ -109,7 +112,7 @@ class Scale:
     burst: int
     fit_pages: int
     arrival_rate: float  # conversations per second (Poisson), shared/multiturn/branching/unique
-    rounds: int  # every (workload, mode) is run this often, the order of modes rotating; TTFA samples pooled
+    rounds: int  # every (workload, mode) is run this often, each round its own seed; TTFA samples pooled
     long_prompt_frames: int = 2048  # "long prompts, at once": SGLang's system-prompt length, in frames
     long_prompt_convs: int = 4
     question_s: float | None = None  # questions cut to this many seconds (--quick: streamed turns take real time)
@@ -519,23 +522,69 @@ def fit_count(model: S2SModel, tok: EncodecTokenizer, mode: str, scale: Scale, c
 # ---- report -----------------------------------------------------------------------------------------------------
 
 
-def ratios(rows: list[dict]) -> list[dict]:
-    """radix vs paged and vs exact per workload and shared fraction: 1 - radix / other (positive: radix lower)."""
+def round_seed(workload: str, r: int) -> int:
+    """Round r's workload seed: arrivals and prompts, the same in every mode. `unique` draws other prompts than
+    `shared` at 0 % does; `pressure` runs with and without admission on the same ones."""
+    return r + (1000 if workload == "unique" else 2000 if workload.startswith("pressure") else 0)
+
+
+def pooled_ttfa(runs: list[Run], rounds: Iterable[int], q: float, label: str | None = None) -> float:
+    """TTFA percentile q (ms) over the given rounds' samples pooled (those of one label, or all)."""
+    ts = [t for i in rounds for lab, v in runs[i].driver.ttfa.items() if label in (None, lab) for t in v]
+    return float(np.percentile(ts, q)) * 1000 if ts else math.nan
+
+
+def round_interval(stat: Callable[[np.ndarray], float], rounds: int, resamples: int = 2000) -> list[float] | None:
+    """90 % interval of `stat(round indices)` over rounds drawn with replacement: a paired bootstrap, since round r
+    is one arrival pattern in every mode and each draw takes the same rounds from every mode. None under 3 rounds."""
+    if rounds < 3:
+        return None
+    rng = np.random.default_rng(0)
+    vals = [stat(rng.integers(0, rounds, rounds)) for _ in range(resamples)]
+    return [float(v) for v in np.nanpercentile(vals, [5, 95])]
+
+
+def ratios(rows: list[dict], runs: dict[tuple[str, float, str], list[Run]]) -> list[dict]:
+    """radix vs paged and vs exact per workload and shared fraction: 1 - radix / other (positive: radix lower);
+    pressure: each mode's long p95 during the burst over before it - 1. Each with its interval over rounds."""
     out = []
     keys = sorted({(r["workload"], r["shared_fraction"]) for r in rows}, key=str)
     for workload, fraction in keys:
         by = {r["mode"]: r for r in rows if r["workload"] == workload and r["shared_fraction"] == fraction}
-        row = {"workload": workload, "shared_fraction": fraction}
+        of = {mode: runs[(workload, fraction, mode)] for mode in MODES}
+        n = len(of["radix"])
+        row = {"workload": workload, "shared_fraction": fraction, "rounds": n}
         for other in ("paged", "exact"):
-            for p in ("p50", "p95"):
-                row[f"radix_vs_{other}_{p}"] = 1 - by["radix"][f"ttfa_ms_{p}"] / by[other][f"ttfa_ms_{p}"]
+            for p in (50, 95):
+                key = f"radix_vs_{other}_p{p}"
+                row[key] = 1 - by["radix"][f"ttfa_ms_p{p}"] / by[other][f"ttfa_ms_p{p}"]
+                row[f"{key}_ci90"] = round_interval(
+                    lambda i, of=of, o=other, p=p: 1 - pooled_ttfa(of["radix"], i, p) / pooled_ttfa(of[o], i, p), n
+                )
         if workload.startswith("pressure"):
             for mode in MODES:
                 before, during = by[mode].get("ttfa_ms_p95_long_before"), by[mode].get("ttfa_ms_p95_long_during")
                 if before and during:
-                    row[f"{mode}_during_vs_before_p95"] = during / before - 1
+                    key = f"{mode}_during_vs_before_p95"
+                    row[key] = during / before - 1
+                    row[f"{key}_ci90"] = round_interval(
+                        lambda i, of=of, m=mode: (
+                            pooled_ttfa(of[m], i, 95, "long during") / pooled_ttfa(of[m], i, 95, "long before") - 1
+                        ),
+                        n,
+                    )
         out.append(row)
     return out
+
+
+def with_intervals(row: dict) -> dict:
+    """A ratio row for the table: each ratio with its interval beside it."""
+    shown = dict(row)
+    for key, ci in row.items():
+        if key.endswith("_ci90") and ci is not None:
+            base = key.removesuffix("_ci90")
+            shown[base] = f"{row[base]:.2f} [{ci[0]:.2f}, {ci[1]:.2f}]"
+    return shown
 
 
 def plot(rows: list[dict], path, title: str) -> None:
@@ -580,12 +629,17 @@ def main(argv: list[str] | None = None) -> None:
         help="how a user turn reaches the engine: in real time in 80 ms blocks (as the server gets it) or at once",
     )
     p.add_argument("--preset", default="tiny", help="model size: tiny (prefill nearly free on CPU) or small")
+    p.add_argument("--rounds", type=int, default=None, help="rounds (arrival patterns) per (workload, mode)")
     args = p.parse_args(argv)
     streamed = args.user_turn == "streamed"
     # one intra-op thread: on this shared 2-core machine two threads spin against other processes' work and ticks
     # slow down 20x at 16 conversations; the engine's work per tick is small (tiny preset)
     torch.set_num_threads(1)
     scale = QUICK if args.quick else FULL
+    if args.rounds is not None:
+        if args.rounds < 1:
+            p.error(f"--rounds must be >= 1, got {args.rounds}")
+        scale = replace(scale, rounds=args.rounds)
     tok = EncodecTokenizer.from_pretrained(None, bandwidth=1.5)
     model = S2SModel.from_seed(ModelConfig.preset(args.preset, num_codebooks=tok.num_codebooks), seed=0)
     clips = [synthesize(q, words_per_minute=WORDS_PER_MINUTE) for q in QUESTIONS]
@@ -613,12 +667,10 @@ def main(argv: list[str] | None = None) -> None:
         make_engine(model, tok, "paged", roomy, scale), lambda d: shared_scripts(d, warm, 0.0), streamed, scale.stall_s
     )
     runs: dict[tuple[str, float, str], list[Run]] = {}
-    pressure_w = Workload(scale, clips, 2)
-    budget = pressure_working_set(pressure_w) // 2
-    jobs = [(p, MODES[(r + k) % len(MODES)]) for r in range(scale.rounds) for p in plan for k in range(len(MODES))]
-    for (name, fraction, scripts_of, pages_of), mode in tqdm(jobs, desc="prefix", file=sys.stderr):
-        seed = 1 if name == "unique" else 0  # unique: other prompts than "shared" at 0 % (a cold start)
-        w = Workload(scale, clips, seed)
+    budget = pressure_working_set(Workload(scale, clips, 0)) // 2  # depends on the clips and the scale only
+    jobs = [(r, p, MODES[(r + k) % len(MODES)]) for r in range(scale.rounds) for p in plan for k in range(len(MODES))]
+    for r, (name, fraction, scripts_of, pages_of), mode in tqdm(jobs, desc="prefix", file=sys.stderr):
+        w = Workload(scale, clips, round_seed(name, r))
         if name == "unique":
             w.group_prompts = [w.rng.integers(0, 1024, size=(2, scale.prompt_frames)) for _ in range(len(clips))]
         if name == AT_ONCE:
@@ -628,17 +680,18 @@ def main(argv: list[str] | None = None) -> None:
             run_once(engine, lambda d, s=scripts_of, w=w: s(d, w), streamed, scale.stall_s)
         )
     pressure_jobs = [
-        (name, MODES[(r + k) % len(MODES)])
+        (r, name, MODES[(r + k) % len(MODES)])
         for r in range(scale.rounds)
         for name in (("pressure",) if args.quick else ("pressure", "pressure, no admission"))
         for k in range(len(MODES))
     ]
-    for name, mode in tqdm(pressure_jobs, desc="pressure", file=sys.stderr):
+    for r, name, mode in tqdm(pressure_jobs, desc="pressure", file=sys.stderr):
         phase = {"name": "before", "burst_start": None, "burst_end": None, "burst_left": scale.burst, "turns_done": 0}
         headroom = EngineConfig.admission_headroom if name == "pressure" else math.inf
         engine = make_engine(model, tok, mode, budget + 1, scale, admission_headroom=headroom)
+        w = Workload(scale, clips, round_seed(name, r))
         runs.setdefault((name, 0.6, mode), []).append(
-            run_once(engine, lambda d, p=phase: pressure_scripts(d, pressure_w, p), streamed, scale.stall_s)
+            run_once(engine, lambda d, p=phase, w=w: pressure_scripts(d, w, p), streamed, scale.stall_s)
         )
     rows = [
         {"workload": name, "mode": mode, "shared_fraction": fraction, **summarize(rs)}
@@ -707,10 +760,11 @@ def main(argv: list[str] | None = None) -> None:
             ("stalled", "stalled"),
         ],
     )
-    ratio_rows = ratios(rows)
+    ratio_rows = ratios(rows, runs)
     tables += print_table(
-        "Ratios: 1 - radix / other (positive: radix lower); pressure: long p95 during burst / before - 1",
-        ratio_rows,
+        "Ratios: 1 - radix / other (positive: radix lower); pressure: long p95 during burst / before - 1; "
+        f"[90 % interval, paired bootstrap over the {scale.rounds} rounds]",
+        [with_intervals(r) for r in ratio_rows],
         [
             ("workload", "workload"),
             ("shared_fraction", "shared"),
