@@ -246,8 +246,7 @@ class Engine:
                         self.push_audio(cid, silence)
                 self.step()
                 if tick < warmup:
-                    while len(self.cost.samples) > kept:
-                        self.cost.samples.pop()
+                    self.cost.forget_after(kept)
             for cid in cids:
                 self._detach(self.convs.pop(cid))
                 del self.pending_input[cid], self.events[cid]

@@ -31,6 +31,12 @@ class CostModel:
         self.pinned += self.samples
         self.samples.clear()
 
+    def forget_after(self, count: int) -> None:
+        """Drop the samples observed since there were `count` (warm-up ticks: first calls at a new shape)."""
+        while len(self.samples) > count:
+            self.samples.pop()
+        self._dirty = True
+
     def observe(self, rounds: int, decode_steps: int, prefill_steps: int, seconds: float) -> None:
         if decode_steps or prefill_steps:
             self.samples.append((rounds, decode_steps, prefill_steps, seconds))

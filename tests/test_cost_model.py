@@ -64,3 +64,17 @@ def test_a_window_of_one_batch_size_keeps_the_calibrated_shape(machine, tick_s, 
     for n in (2, 8):
         want = tick_s(FRAMES_PER_TICK, FRAMES_PER_TICK * n)
         assert cost.predict(FRAMES_PER_TICK, FRAMES_PER_TICK * n) == pytest.approx(want, rel=0.05), machine
+
+
+def test_forgotten_warm_up_ticks_leave_the_fit() -> None:
+    """The engine forgets its calibration's warm-up ticks (first calls at a new shape): they must leave the fit
+    even when a prediction was made from them."""
+    cost = CostModel()
+    for _ in range(20):
+        cost.observe(FRAMES_PER_TICK, FRAMES_PER_TICK, 0, 0.02)
+    for _ in range(20):
+        cost.observe(FRAMES_PER_TICK, FRAMES_PER_TICK, 0, 0.5)  # warm-up: kernel builds, allocators
+    assert cost.predict(FRAMES_PER_TICK, FRAMES_PER_TICK) > 0.1
+    cost.forget_after(20)
+    assert len(cost.samples) == 20
+    assert cost.predict(FRAMES_PER_TICK, FRAMES_PER_TICK) == pytest.approx(0.02)
