@@ -421,7 +421,7 @@ def run_once(engine: Engine, scripts_of: Callable[[Driver], list[Script]], strea
         d,
         wall,
         len(scripts),
-        float(np.sum(engine.stats.tick_seconds)),
+        engine.stats.busy_seconds,  # every tick (`tick_seconds` keeps only the last 10,000)
         engine.cache.stats(),
         engine.stats.deadline_misses,
         engine.stats.out_of_pages,

@@ -75,7 +75,7 @@ class EngineStats:
     busy_seconds: float = 0.0  # all ticks' time: its rate over a window is the engine's real-time factor
     prefill_steps: int = 0  # steps computed other than as a sampled decode step (what a prefix cache saves)
     copied_steps: int = 0  # steps whose K/V were copied from a page others hold instead of computed (copy-on-write)
-    tick_seconds: deque = field(default_factory=lambda: deque(maxlen=10000))
+    tick_seconds: deque = field(default_factory=lambda: deque(maxlen=10000))  # the last ticks only: see busy_seconds
     # where tick time goes: the codec's encoder and decoder, scheduling, the model (forward and sampling); the
     # rest of busy_seconds is bookkeeping (replies starting and ending, prefix re-matching)
     phase_seconds: dict[str, float] = field(
