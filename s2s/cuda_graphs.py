@@ -8,7 +8,8 @@ inputs into them and replays the graph of the smallest bucket that holds it. Row
 slot -1 (its K/V is not stored), one key (page 0, read and ignored), and their logits are dropped.
 
 The Triton kernels need no host sync on their inputs, which is what makes the step capturable; token ids are checked
-on the host before they are copied in (`S2SModel.embed` checks them on the device, a sync a graph cannot hold).
+on the host before they are copied in (`S2SModel.embed` checks them on the device, a sync a graph cannot hold;
+the graph embeds through `embed_checked`).
 """
 
 from __future__ import annotations
@@ -78,8 +79,7 @@ class DecodeGraphs:
     def _step(self, size: int) -> torch.Tensor:
         """What a graph holds: embed, backbone over pages (K/V stored at the slots), logits; `[size, K, vocab]`."""
         model = self.model
-        flat = (self.tokens[:size] + model._offsets).reshape(-1, model.config.step_width)
-        x = torch.nn.functional.embedding_bag(flat, model.embeddings.view(-1, model.config.hidden_size), mode="sum")
+        x = model.embed_checked(self.tokens[:size])
         hidden = model.backbone.forward_paged(x, self._batch(size), self.k_caches, self.v_caches)
         return model.logits(hidden)
 

@@ -205,6 +205,12 @@ class S2SModel(nn.Module):
             raise ValueError(f"step tokens must have {cfg.step_width} codes, got {tokens.shape[-1]}")
         if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size):
             raise ValueError(f"step tokens must lie in [0, {cfg.vocab_size})")
+        return self.embed_checked(tokens)
+
+    def embed_checked(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`embed` for ids the caller has already range-checked: no check on the device, so no host sync (what a
+        CUDA graph can hold; `DecodeGraphs` checks on the host before copying ids in)."""
+        cfg = self.config
         flat = (tokens.long() + self._offsets).reshape(-1, cfg.step_width)
         out = F.embedding_bag(flat, self.embeddings.view(-1, cfg.hidden_size), mode="sum")
         return out.view(*tokens.shape[:-1], cfg.hidden_size)
