@@ -75,12 +75,14 @@ def count(preset: str, conversations: int, ticks: int) -> dict:
                 engine.step()
     finally:
         streaming._LSTM.stepped = lstm
-    per_tick = {f"{label}_ops": counts[label] / ticks for label in [*PHASES.values(), "codec LSTM", "other"]}
     return {
         "preset": preset,
         "conversations": conversations,
         "frames_per_tick": FRAMES_PER_TICK,
-        **{k.replace(" ", "_").lower(): v for k, v in per_tick.items()},
+        **{
+            f"{label.replace(' ', '_').lower()}_ops": counts[label] / ticks
+            for label in [*PHASES.values(), "codec LSTM", "other"]
+        },
         "total_ops": sum(counts.values()) / ticks,
     }
 
