@@ -82,6 +82,7 @@ PAGE, FRAMES_PER_TICK, MAX_CONTEXT, PREFILL_BUDGET = 16, 4, 4096, 256
 WORDS_PER_MINUTE = 220
 LONG = "long prompts, at once"  # a few conversations at t = 0 on prompts of SGLang's length (2,048)
 AT_ONCE = "shared, at once"  # the shared workload with every conversation arriving at t = 0, as SGLang sends it
+WORKLOADS = ["shared", AT_ONCE, LONG, "multiturn", "branching", "unique", "pressure"]
 BARGE_IN_FRAMES = 11  # frames of the reply the user hears before speaking over it (not a page boundary)
 QUESTIONS = [
     "Will it rain tomorrow?",
@@ -632,6 +633,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--preset", default="tiny", help="model size: tiny (prefill nearly free on CPU) or small")
     p.add_argument("--rounds", type=int, default=None, help="rounds (arrival patterns) per (workload, mode)")
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=WORKLOADS,
+        default=WORKLOADS,
+        help="run only these (quote the names with spaces); the fit table runs with any",
+    )
     args = p.parse_args(argv)
     streamed = args.user_turn == "streamed"
     # one intra-op thread: on this shared 2-core machine two threads spin against other processes' work and ticks
@@ -652,6 +660,7 @@ def main(argv: list[str] | None = None) -> None:
     env |= {"frames_per_tick": FRAMES_PER_TICK, "max_context": MAX_CONTEXT, "prefill_budget": 256}
     env["question_frames_mean"] = clip_frames
     env["user_turn"] = args.user_turn
+    env["workloads"] = args.workloads
     roomy = (scale.groups * scale.per_group + scale.burst) * MAX_CONTEXT // PAGE + 1  # naive holds all at once
 
     plan: list[tuple[str, float, Callable[[Driver, Workload], list[Script]], Callable[[], int]]] = []
@@ -668,6 +677,7 @@ def main(argv: list[str] | None = None) -> None:
     run_once(
         make_engine(model, tok, "paged", roomy, scale), lambda d: shared_scripts(d, warm, 0.0), streamed, scale.stall_s
     )
+    plan = [job for job in plan if job[0] in args.workloads]
     runs: dict[tuple[str, float, str], list[Run]] = {}
     budget = pressure_working_set(Workload(scale, clips, 0)) // 2  # depends on the clips and the scale only
     jobs = [(r, p, MODES[(r + k) % len(MODES)]) for r in range(scale.rounds) for p in plan for k in range(len(MODES))]
@@ -686,6 +696,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in range(scale.rounds)
         for name in (("pressure",) if args.quick else ("pressure", "pressure, no admission"))
         for k in range(len(MODES))
+        if "pressure" in args.workloads
     ]
     for r, name, mode in tqdm(pressure_jobs, desc="pressure", file=sys.stderr):
         phase = {"name": "before", "burst_start": None, "burst_end": None, "burst_left": scale.burst, "turns_done": 0}

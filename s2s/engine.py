@@ -629,10 +629,11 @@ class Engine:
 
     def _reserve_pages(self, work: list[Work]) -> list[Work]:
         """Pages for this round's work. When the pool runs short, a conversation takes the pages of one that sits
-        idle between turns (least recently active first); failing that, a conversation that already holds pages
-        preempts the one opened last, itself if it is that one (vLLM's order); a prefill shrinks to what fits;
-        otherwise it waits a tick. Without this, conversations that each hold some pages and each need one more, or
-        listeners holding theirs while another cannot start its turn, would wait on each other for ever."""
+        idle between turns (`_between_turns`, least recently active first); failing that, a conversation that
+        already holds pages preempts the one opened last, itself if it is that one (vLLM's order); a prefill shrinks
+        to what fits; otherwise it waits a tick. Without this, conversations that each hold some pages and each need
+        one more, or listeners holding theirs while another cannot start its turn, would wait on each other for
+        ever."""
         kept: list[Work] = []
         busy = {w.conv.id for w in work}
         preempted: set[str] = set()
@@ -676,16 +677,23 @@ class Engine:
         if self._dormant(conv):
             return None  # preempted while idle and nothing new since: it recomputes into spare pages only
         others = [c for c in self.convs.values() if c.pages and c is not conv]
-        idle = [
-            c
-            for c in others
-            if c.id not in busy and c.mode == "turn" and c.phase is Phase.LISTEN and c.step_token(c.computed) is None
-        ]
+        # a dormant one's work this round is only recomputing what it lost: it may lose it again
+        idle = [c for c in others if (c.id not in busy or self._dormant(c)) and self._between_turns(c)]
         if idle:
             return min(idle, key=lambda c: c.last_active)
         if not conv.pages:
             return None  # not started (or preempted): it takes no running conversation's pages
         return max([*others, conv], key=lambda c: c.opened_at)
+
+    @staticmethod
+    def _between_turns(conv: Conversation) -> bool:
+        """Turn mode, its last turn answered, the user not speaking again, and nothing to compute but what it lost
+        to an earlier preemption: nothing needs its K/V soon. Having nothing to compute this tick is not enough: a
+        user mid-utterance sends the next 80 ms block any moment, and taking their pages made them recompute the
+        whole conversation before their answer."""
+        answered = not conv.turns or conv.turns[-1].reply_start is not None
+        rest = Engine._dormant(conv) or conv.step_token(conv.computed) is None
+        return conv.mode == "turn" and conv.phase is Phase.LISTEN and answered and rest
 
     @staticmethod
     def _dormant(conv: Conversation) -> bool:

@@ -2,10 +2,13 @@
 
 Every conversation whose next step is known and leads to a sampled frame decodes one step (duplex steps and turn
 replies: these are the deadlines, and admission control keeps them affordable). Prefill (voice prompts, a turn's user
-frames) shares a per-tick step budget, longest cached prefix first, with aging so that a cold conversation is not
-starved by a stream of warm ones (sglang #31954). Where the cache shares prefixes (`page_size` given), of the
-conversations about to compute the same next page on the same cached prefix only the first goes this tick: the
-others take its pages from the cache next tick instead of computing them again (SGLang's in-batch prefix caching).
+frames) shares a per-tick step budget. Urgent prefill goes first, oldest first: a turn whose user has stopped speaking
+(its time to first audio is running) and a duplex stream already live (its frame deadlines are). The rest is
+background (a prompt or a turn's speech computed while the user still talks, which the speech hides): longest cached
+prefix first, with aging so that a cold conversation is not starved by a stream of warm ones (sglang #31954).
+Where the cache shares prefixes (`page_size` given), of the conversations about to compute the same next page on the
+same cached prefix only the first goes this tick: the others take its pages from the cache next tick instead of
+computing them again (SGLang's in-batch prefix caching).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from s2s.conversation import Conversation
+from s2s.conversation import Conversation, Phase
 
 AGING_STEPS_PER_S = 2000.0  # a second of waiting counts like this many cached steps
 
@@ -52,7 +55,14 @@ class Scheduler:
         work = list(decode)
         for conv, _ in waiting:
             self._waiting_since.setdefault(conv.id, now)
-        waiting.sort(key=lambda ct: -(ct[0].computed + AGING_STEPS_PER_S * (now - self._waiting_since[ct[0].id])))
+
+        def order(ct: tuple[Conversation, np.ndarray]) -> tuple[bool, float]:
+            conv, waited = ct[0], now - self._waiting_since[ct[0].id]
+            if urgent(conv):
+                return False, -waited
+            return True, -(conv.computed + AGING_STEPS_PER_S * waited)
+
+        waiting.sort(key=order)
         budget = self.prefill_budget
         leaders: set[tuple] = set()
         for conv, tokens in waiting:
@@ -73,3 +83,10 @@ class Scheduler:
             if len(take) == len(tokens):
                 self._waiting_since.pop(conv.id, None)
         return work
+
+
+def urgent(conv: Conversation) -> bool:
+    """Someone is waiting on this conversation's prefill: a turn that is to be answered, or a live duplex stream."""
+    if conv.mode == "duplex":
+        return conv.first_frame_at is not None
+    return conv.phase is Phase.REPLY

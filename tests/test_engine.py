@@ -424,3 +424,26 @@ def test_end_of_turn_is_stamped_on_its_own_turn_when_the_audio_is_still_queued(m
     assert len(turns) == 2 and all(t.reply_end is not None for t in turns)
     for t, ended in zip(turns, ends, strict=True):
         assert ended <= t.times["end_of_turn"] <= t.times["reply_start"], t.times
+
+
+@pytest.mark.parametrize("speaking", [True, False])
+def test_out_of_pages_takes_a_conversation_between_turns_never_one_mid_utterance(model, tok, speaking: bool) -> None:
+    """A newcomer short of pages takes those of a conversation whose turn is answered, but not those of a user who
+    is still speaking (with nothing to compute until the next block): that user would have recomputed the whole
+    conversation before their answer. Then the newcomer, opened last, waits instead (vLLM's order)."""
+    engine = make(model, tok, "paged", admission_headroom=math.inf, clock=CallClock())
+    first = engine.open("turn", sampling=GREEDY, admit=False)
+    run_turns(engine, [first], turns=1)
+    if speaking:
+        engine.push_audio(first, speech(0.2, seed=5))  # a second turn begins; its frames are computed
+        for _ in range(3):
+            engine.step()
+    conv = engine.convs[first]
+    assert conv.step_token(conv.computed) is None and conv.pages  # nothing to compute this tick, pages held
+    engine.cache.alloc(engine.pool.num_free - 1)  # others hold the rest of the pool: one page is left
+    prompt = tok.encode(speech(0.5, seed=99))[0]  # the newcomer needs 3 pages
+    late = engine.open("turn", prompt=prompt, sampling=GREEDY, admit=False)
+    engine.step()
+    assert (engine.stats.preempted == 0) is speaking
+    assert bool(conv.pages) is speaking
+    assert (engine.convs[late].computed == prompt.shape[1]) is not speaking

@@ -1,0 +1,58 @@
+"""Scheduler: which prefill a tick's step budget goes to first."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from s2s.config import ModelConfig
+from s2s.conversation import Conversation, Phase, Turn
+from s2s.sampling import SamplingParams
+from s2s.scheduler import Scheduler
+
+CFG = ModelConfig.preset("tiny", num_codebooks=2)
+
+
+def conv(cid: str, mode: str = "turn", frames: int = 40, cached: int = 0) -> Conversation:
+    c = Conversation(cid, mode, CFG, SamplingParams(seed=0), row=0, now=0.0)
+    c.set_prompt(np.random.default_rng(0).integers(0, 1024, size=(2, frames)))
+    c.computed = cached  # steps a prefix cache gave back (the scheduler reads only the count without page_size)
+    return c
+
+
+def answering(c: Conversation) -> Conversation:
+    """The user stopped speaking: the turn's reply starts once its speech is computed."""
+    c.turns.append(Turn(0, c.user_frames, reply_start=c.user_frames))
+    c.phase = Phase.REPLY
+    return c
+
+
+def prefill_order(s: Scheduler, convs: list[Conversation], now: float = 0.0) -> list[tuple[str, int]]:
+    return [(w.conv.id, len(w.tokens)) for w in s.pick(convs, now, lambda c: math.inf) if not w.decode]
+
+
+def test_background_prefill_goes_longest_cached_prefix_first() -> None:
+    s = Scheduler(prefill_budget=32)
+    assert prefill_order(s, [conv("cold"), conv("warm", cached=16)]) == [("warm", 24), ("cold", 8)]
+
+
+def test_a_turn_being_answered_goes_before_background_prefill() -> None:
+    s = Scheduler(prefill_budget=32)
+    order = prefill_order(s, [conv("prompt", cached=16), answering(conv("tail", frames=20))])
+    assert order == [("tail", 20), ("prompt", 12)]
+
+
+def test_a_live_duplex_stream_goes_before_background_prefill() -> None:
+    live = conv("live", mode="duplex", frames=20)
+    live.first_frame_at = 0.0  # its user frames arrive: frame deadlines run
+    s = Scheduler(prefill_budget=16)
+    assert prefill_order(s, [conv("prompt", cached=16), live]) == [("live", 16)]
+    assert prefill_order(s, [conv("prompt", cached=16), conv("opening", mode="duplex")]) == [("prompt", 16)]
+
+
+def test_urgent_prefill_goes_oldest_first() -> None:
+    s = Scheduler(prefill_budget=16)
+    served, first, second = answering(conv("served")), answering(conv("first")), answering(conv("second", cached=30))
+    assert prefill_order(s, [served, first], now=0.0) == [("served", 16)]  # `first` waits from 0.0 on
+    assert prefill_order(s, [second, first], now=1.0) == [("first", 16)]  # `second` waits from 1.0 on
