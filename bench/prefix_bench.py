@@ -1,6 +1,6 @@
 """Prefix benchmark: the four cache modes (naive, paged, exact, radix) on audio workloads, one engine, one run.
 
-    s2s bench prefix [--quick] [--json PATH] [--plot PATH]
+    s2s bench prefix [--quick] [--preset small] [--rounds N] [--workloads NAME ...] [--json PATH] [--plot PATH]
 
 In-process, no sockets: one `Engine` per mode, built identically but for `cache_mode`, driven by hand
 (`engine.step()` as fast as it goes, the wall clock as its clock), with the same arrivals, audio and seeds, modes

@@ -60,13 +60,19 @@ class Conversation:
         if mode == "duplex":
             self.model[0] = cfg.silent_id  # the model stream starts silent; frames from 1 on are predicted
         self.opened_at = self.last_active = now  # last_active: its last computed step
-        self.idle_frames = -1  # user frames when it was preempted while listening (the engine's `_victim`)
+        self.idle_frames = -1  # user frames when it was preempted while listening (`dormant`)
         self.first_frame_at: float | None = None  # when the first user frame reached the engine (deadlines)
         self.prompt_frames = 0
         self.cached_at_open = 0  # steps the prefix cache gave back when it opened
         self.open_key_steps = 0  # steps known when it opened (what the first match looked up)
         self.seen_inserts = -1  # the engine's insert count when this conversation last matched
         self.deadline_misses = 0
+
+    @property
+    def dormant(self) -> bool:
+        """Preempted while listening, and no new user frames since: nothing to answer, so nothing is recomputed
+        (into pages that are short) until its user speaks again."""
+        return self.phase is Phase.LISTEN and self.user_frames <= self.idle_frames
 
     def snapshot(self) -> dict:
         """What a resumed conversation needs: both streams, the turns, the prompt length."""

@@ -40,7 +40,7 @@ from s2s.cuda_graphs import DecodeGraphs
 from s2s.metrics import CostModel, EngineStats
 from s2s.model import S2SModel
 from s2s.sampling import SamplingParams, sample
-from s2s.scheduler import Scheduler, Work
+from s2s.scheduler import Scheduler, Work, urgent
 
 FRAME_S = 320 / 24000
 # frames at each calibration size the cost model does not learn from: first calls at a new batch size, and the
@@ -588,6 +588,7 @@ class Engine:
 
     def _rewind(self, conv: Conversation, frame: int) -> None:
         """Forget everything from `frame` on (both streams); K/V of later steps are dropped."""
+        conv.idle_frames = -1  # it is no longer what was preempted (`Conversation.dormant`)
         conv.user[frame:] = UNKNOWN
         conv.model[frame:] = UNKNOWN
         conv.user_frames = frame
@@ -628,12 +629,11 @@ class Engine:
         return conv.first_frame_at + frame * FRAME_S + self.cfg.jitter_buffer_s
 
     def _reserve_pages(self, work: list[Work]) -> list[Work]:
-        """Pages for this round's work. When the pool runs short, a conversation takes the pages of one that sits
-        idle between turns (`_between_turns`, least recently active first); failing that, a conversation that
-        already holds pages preempts the one opened last, itself if it is that one (vLLM's order); a prefill shrinks
-        to what fits; otherwise it waits a tick. Without this, conversations that each hold some pages and each need
-        one more, or listeners holding theirs while another cannot start its turn, would wait on each other for
-        ever."""
+        """Pages for this round's work. When the pool runs short, a conversation preempts another (`_victim` says
+        which: a listener between turns first, the one opened last at the end, itself if it is that one); a prefill
+        shrinks to what fits; otherwise it waits a tick. Without this, conversations that each hold some pages and
+        each need one more, or listeners holding theirs while another cannot start its turn, would wait on each
+        other for ever."""
         kept: list[Work] = []
         busy = {w.conv.id for w in work}
         preempted: set[str] = set()
@@ -671,34 +671,37 @@ class Engine:
 
     def _victim(self, conv: Conversation, busy: set[str]) -> Conversation | None:
         """Whose pages `conv` may take (see `_reserve_pages`); None: it waits. Pages held only through a cache lock
-        count too: unlocked, they become evictable."""
+        count too: unlocked, they become evictable.
+
+        First a listener between turns (its last turn answered, nothing to compute), least recently active first:
+        nothing needs its K/V soon. A user mid-utterance with nothing to compute until their next 80 ms block would
+        recompute the whole conversation before their answer, so only a conversation someone is waiting on (its
+        reply, or a live duplex stream: `urgent`) takes theirs; the recompute then partly hides behind the rest of
+        their speech. Otherwise vLLM's order: the one opened last, `conv` included."""
         if self.cache.pages_on_open(self.cfg.max_context):
             return None  # naive reserved every page at open: it never runs short
-        if self._dormant(conv):
-            return None  # preempted while idle and nothing new since: it recomputes into spare pages only
         others = [c for c in self.convs.values() if c.pages and c is not conv]
-        # a dormant one's work this round is only recomputing what it lost: it may lose it again
-        idle = [c for c in others if (c.id not in busy or self._dormant(c)) and self._between_turns(c)]
-        if idle:
-            return min(idle, key=lambda c: c.last_active)
+        listening = [
+            c
+            for c in others
+            if c.id not in busy and c.mode == "turn" and c.phase is Phase.LISTEN and c.step_token(c.computed) is None
+        ]
+        between = [c for c in listening if self._answered(c)]
+        if between or (listening and urgent(conv)):
+            return min(between or listening, key=lambda c: c.last_active)
         if not conv.pages:
             return None  # not started (or preempted): it takes no running conversation's pages
         return max([*others, conv], key=lambda c: c.opened_at)
 
     @staticmethod
-    def _between_turns(conv: Conversation) -> bool:
-        """Turn mode, its last turn answered, the user not speaking again, and nothing to compute but what it lost
-        to an earlier preemption: nothing needs its K/V soon. Having nothing to compute this tick is not enough: a
-        user mid-utterance sends the next 80 ms block any moment, and taking their pages made them recompute the
-        whole conversation before their answer."""
-        answered = not conv.turns or conv.turns[-1].reply_start is not None
-        rest = Engine._dormant(conv) or conv.step_token(conv.computed) is None
-        return conv.mode == "turn" and conv.phase is Phase.LISTEN and answered and rest
-
-    @staticmethod
-    def _dormant(conv: Conversation) -> bool:
-        """Preempted while listening, and no new user frames since: it has nothing to answer yet."""
-        return conv.phase is Phase.LISTEN and conv.user_frames <= conv.idle_frames
+    def _answered(conv: Conversation) -> bool:
+        """Its last turn has its reply (not cut by a barge-in, whose speech is on its way), or no speech yet."""
+        if not conv.turns:
+            return True
+        turn = conv.turns[-1]
+        if turn.reply_start is None:
+            return conv.user_frames == turn.first_frame  # the turn opened with a voice prompt, before any speech
+        return "interrupted" not in turn.times
 
     def _preempt(self, conv: Conversation) -> None:
         """Give back a conversation's pages and recompute its K/V later (its frames are kept). Its full pages go to
@@ -857,7 +860,7 @@ class Engine:
         for conv in self.convs.values():
             if conv.seen_inserts == self._inserts or conv.step_token(conv.computed + page) is None:
                 continue  # nothing new in the cache, or less than a page of prefill waiting
-            if self._dormant(conv):
+            if conv.dormant:
                 continue  # locking its old pages again would take them from whoever preempted it
             conv.seen_inserts = self._inserts
             m = self.cache.match(conv.known_key(), record=False)

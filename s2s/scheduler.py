@@ -2,10 +2,11 @@
 
 Every conversation whose next step is known and leads to a sampled frame decodes one step (duplex steps and turn
 replies: these are the deadlines, and admission control keeps them affordable). Prefill (voice prompts, a turn's user
-frames) shares a per-tick step budget. Urgent prefill goes first, oldest first: a turn whose user has stopped speaking
-(its time to first audio is running) and a duplex stream already live (its frame deadlines are). The rest is
-background (a prompt or a turn's speech computed while the user still talks, which the speech hides): longest cached
-prefix first, with aging so that a cold conversation is not starved by a stream of warm ones (sglang #31954).
+frames) shares a per-tick step budget. Urgent prefill goes first, longest waiting first: a turn whose user has
+stopped speaking (its time to first audio is running) and a duplex stream already live (its frame deadlines are).
+The rest is background (a prompt or a turn's speech computed while the user still talks, which the speech hides):
+most cached steps first, with aging so that a cold conversation is not starved by a stream of warm ones (sglang
+#31954). Urgent work holds background back while it lasts (the rest of a turn's speech: usually one tick).
 Where the cache shares prefixes (`page_size` given), of the conversations about to compute the same next page on the
 same cached prefix only the first goes this tick: the others take its pages from the cache next tick instead of
 computing them again (SGLang's in-batch prefix caching).
@@ -43,6 +44,9 @@ class Scheduler:
         """This round's work; `prefill=False` for the extra rounds of a multi-frame tick (decode steps only)."""
         decode, waiting = [], []
         for conv in convs:
+            if conv.dormant:  # preempted while idle: nothing to compute until its user speaks again
+                self._waiting_since.pop(conv.id, None)
+                continue
             tokens = conv.ready_steps(self.prefill_budget if prefill else 2)
             if not len(tokens):
                 self._waiting_since.pop(conv.id, None)

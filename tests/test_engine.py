@@ -426,8 +426,13 @@ def test_end_of_turn_is_stamped_on_its_own_turn_when_the_audio_is_still_queued(m
         assert ended <= t.times["end_of_turn"] <= t.times["reply_start"], t.times
 
 
+def pages_short(engine: Engine, free: int) -> None:
+    """Others hold the rest of the pool: `free` pages are left."""
+    engine.cache.alloc(engine.pool.num_free - free)
+
+
 @pytest.mark.parametrize("speaking", [True, False])
-def test_out_of_pages_takes_a_conversation_between_turns_never_one_mid_utterance(model, tok, speaking: bool) -> None:
+def test_out_of_pages_takes_a_conversation_between_turns_not_one_mid_utterance(model, tok, speaking: bool) -> None:
     """A newcomer short of pages takes those of a conversation whose turn is answered, but not those of a user who
     is still speaking (with nothing to compute until the next block): that user would have recomputed the whole
     conversation before their answer. Then the newcomer, opened last, waits instead (vLLM's order)."""
@@ -440,10 +445,39 @@ def test_out_of_pages_takes_a_conversation_between_turns_never_one_mid_utterance
             engine.step()
     conv = engine.convs[first]
     assert conv.step_token(conv.computed) is None and conv.pages  # nothing to compute this tick, pages held
-    engine.cache.alloc(engine.pool.num_free - 1)  # others hold the rest of the pool: one page is left
+    pages_short(engine, free=1)
     prompt = tok.encode(speech(0.5, seed=99))[0]  # the newcomer needs 3 pages
     late = engine.open("turn", prompt=prompt, sampling=GREEDY, admit=False)
     engine.step()
     assert (engine.stats.preempted == 0) is speaking
     assert bool(conv.pages) is speaking
     assert (engine.convs[late].computed == prompt.shape[1]) is not speaking
+
+
+def test_a_reply_short_of_pages_takes_a_speakers_and_the_speaker_recomputes_when_they_speak_again(model, tok) -> None:
+    """The newest conversation is replying and needs a page; the only other holds pages mid-utterance. The reply
+    (someone is waiting on it) takes the speaker's pages rather than preempting itself tick after tick. The speaker,
+    preempted with nothing new to compute, recomputes nothing until more of their speech arrives."""
+    cfg = EngineConfig(
+        cache_mode="paged", num_pages=400, max_reply_frames=40, calibration_ticks=0, admission_headroom=math.inf
+    )
+    engine = Engine(model, tok, cfg, clock=CallClock())
+    speaker, replier = (engine.open("turn", sampling=GREEDY, admit=False) for _ in range(2))
+    run_turns(engine, [speaker, replier], turns=1)
+    engine.push_audio(speaker, speech(0.2, seed=5))
+    engine.push_audio(replier, speech(0.2, seed=6))
+    engine.step()
+    engine.end_turn(replier)
+    pages_short(engine, free=0)
+    s, r = engine.convs[speaker], engine.convs[replier]
+    for _ in range(200):
+        engine.step()
+        if r.phase is Phase.LISTEN:
+            break
+    assert r.turns[-1].reply_end - r.turns[-1].reply_start == 40  # 40 frames: it crossed at least 2 pages
+    assert engine.stats.preempted == 1 and not s.pages and s.dormant
+    assert s.computed == 0  # dormant: nothing recomputed into the pages the reply needed
+    engine.push_audio(speaker, speech(0.1, seed=7))  # the speaker goes on: now it recomputes (the reply's pages)
+    for _ in range(5):
+        engine.step()
+    assert not s.dormant and s.computed == s.user_frames

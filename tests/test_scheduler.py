@@ -55,4 +55,5 @@ def test_urgent_prefill_goes_oldest_first() -> None:
     s = Scheduler(prefill_budget=16)
     served, first, second = answering(conv("served")), answering(conv("first")), answering(conv("second", cached=30))
     assert prefill_order(s, [served, first], now=0.0) == [("served", 16)]  # `first` waits from 0.0 on
-    assert prefill_order(s, [second, first], now=1.0) == [("first", 16)]  # `second` waits from 1.0 on
+    # 10 ms of aging is worth 20 cached steps, fewer than `second` has: only "longest waiting first" puts `first` first
+    assert prefill_order(s, [second, first], now=0.01) == [("first", 16)]
