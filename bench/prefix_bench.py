@@ -623,6 +623,37 @@ def plot(rows: list[dict], path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def setup(preset: str, quick: bool, rounds: int | None) -> tuple[Scale, EncodecTokenizer, S2SModel, list[np.ndarray]]:
+    """The run's scale, codec, seeded model and user questions (espeak-ng speech)."""
+    # one intra-op thread: on this shared 2-core machine two threads spin against other processes' work and ticks
+    # slow down 20x at 16 conversations; the engine's work per tick is small (tiny preset)
+    torch.set_num_threads(1)
+    scale = QUICK if quick else FULL
+    if rounds is not None:
+        scale = replace(scale, rounds=rounds)
+    tok = EncodecTokenizer.from_pretrained(None, bandwidth=1.5)
+    model = S2SModel.from_seed(ModelConfig.preset(preset, num_codebooks=tok.num_codebooks), seed=0)
+    clips = [synthesize(q, words_per_minute=WORDS_PER_MINUTE) for q in QUESTIONS]
+    if scale.question_s:
+        clips = [c[: round(scale.question_s * SAMPLE_RATE)] for c in clips]
+    return scale, tok, model, clips
+
+
+def warm_up(
+    model: S2SModel, tok: EncodecTokenizer, scale: Scale, clips: list[np.ndarray], pages: int, streamed: bool
+) -> None:
+    """A throwaway run first: one-time costs (allocators, kernels) hit no measured run."""
+    warm = Workload(scale, clips, 99)
+    run_once(
+        make_engine(model, tok, "paged", pages, scale), lambda d: shared_scripts(d, warm, 0.0), streamed, scale.stall_s
+    )
+
+
+def pressure_phase(scale: Scale) -> dict:
+    """The state `pressure_scripts` shares between its conversations: which phase the long ones' turns are in."""
+    return {"name": "before", "burst_start": None, "burst_end": None, "burst_left": scale.burst, "turns_done": 0}
+
+
 def main(argv: list[str] | None = None) -> None:
     p = parser("prefix", __doc__.splitlines()[0])
     p.add_argument(
@@ -642,19 +673,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = p.parse_args(argv)
     streamed = args.user_turn == "streamed"
-    # one intra-op thread: on this shared 2-core machine two threads spin against other processes' work and ticks
-    # slow down 20x at 16 conversations; the engine's work per tick is small (tiny preset)
-    torch.set_num_threads(1)
-    scale = QUICK if args.quick else FULL
-    if args.rounds is not None:
-        if args.rounds < 1:
-            p.error(f"--rounds must be >= 1, got {args.rounds}")
-        scale = replace(scale, rounds=args.rounds)
-    tok = EncodecTokenizer.from_pretrained(None, bandwidth=1.5)
-    model = S2SModel.from_seed(ModelConfig.preset(args.preset, num_codebooks=tok.num_codebooks), seed=0)
-    clips = [synthesize(q, words_per_minute=WORDS_PER_MINUTE) for q in QUESTIONS]
-    if scale.question_s:
-        clips = [c[: round(scale.question_s * SAMPLE_RATE)] for c in clips]
+    if args.rounds is not None and args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    scale, tok, model, clips = setup(args.preset, args.quick, args.rounds)
     clip_frames = round(np.mean([len(c) for c in clips]) / 320)
     env = {**environment(), "quick": args.quick, "preset": args.preset, **asdict(scale), "page_size": PAGE}
     env |= {"frames_per_tick": FRAMES_PER_TICK, "max_context": MAX_CONTEXT, "prefill_budget": 256}
@@ -673,10 +694,7 @@ def main(argv: list[str] | None = None) -> None:
     plan.append(("multiturn", 0.6, multiturn_scripts, lambda: roomy))
     plan.append(("branching", 2 / 3, branching_scripts, lambda: roomy))
     plan.append(("unique", 0.0, lambda d, w: shared_scripts(d, w, 0.0), lambda: roomy))
-    warm = Workload(scale, clips, 99)  # a throwaway run first: one-time costs (allocators, kernels) hit no mode
-    run_once(
-        make_engine(model, tok, "paged", roomy, scale), lambda d: shared_scripts(d, warm, 0.0), streamed, scale.stall_s
-    )
+    warm_up(model, tok, scale, clips, roomy, streamed)
     plan = [job for job in plan if job[0] in args.workloads]
     runs: dict[tuple[str, float, str], list[Run]] = {}
     budget = pressure_working_set(Workload(scale, clips, 0)) // 2  # depends on the clips and the scale only
@@ -699,7 +717,7 @@ def main(argv: list[str] | None = None) -> None:
         if "pressure" in args.workloads
     ]
     for r, name, mode in tqdm(pressure_jobs, desc="pressure", file=sys.stderr):
-        phase = {"name": "before", "burst_start": None, "burst_end": None, "burst_left": scale.burst, "turns_done": 0}
+        phase = pressure_phase(scale)
         headroom = EngineConfig.admission_headroom if name == "pressure" else math.inf
         engine = make_engine(model, tok, mode, budget + 1, scale, admission_headroom=headroom)
         w = Workload(scale, clips, round_seed(name, r))

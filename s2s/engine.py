@@ -58,6 +58,7 @@ class EngineConfig:
     max_context: int = 4096  # steps; naive mode reserves this much per conversation
     frames_per_tick: int = 1  # duplex steps per conversation per tick: the codec works on chunks this long
     prefill_budget: int = 256  # prefill steps per tick, all conversations together
+    background_budget: int = 16  # of those, for work nobody waits on, in a tick someone waits on (`Scheduler`)
     jitter_buffer_s: float | None = None  # default: 80 ms (clients send 80 ms blocks) + one tick
     max_reply_frames: int = 750
     session_ttl_s: float = 300.0  # a closed conversation can be resumed by id this long
@@ -169,7 +170,11 @@ class Engine:
         self.pending_end: dict[str, float] = {}  # turn mode: when each waiting reply's end of turn came
         self._closed: dict[str, tuple[dict, float]] = {}  # closed sessions' context, for resume within the TTL
         self.voices: dict[str, np.ndarray] = {}  # named voice prompts (codes [K, P])
-        self.scheduler = Scheduler(self.cfg.prefill_budget, self.cfg.page_size if self.cache.shares_prefixes else None)
+        self.scheduler = Scheduler(
+            self.cfg.prefill_budget,
+            self.cfg.background_budget,
+            self.cfg.page_size if self.cache.shares_prefixes else None,
+        )
         self._inserts = 0  # prefix-cache inserts so far: a conversation re-matches only after new ones
         self.cost = CostModel()
         self.stats = EngineStats()

@@ -6,7 +6,9 @@ frames) shares a per-tick step budget. Urgent prefill goes first, longest waitin
 stopped speaking (its time to first audio is running) and a duplex stream already live (its frame deadlines are).
 The rest is background (a prompt or a turn's speech computed while the user still talks, which the speech hides):
 most cached steps first, with aging so that a cold conversation is not starved by a stream of warm ones (sglang
-#31954). Urgent work holds background back while it lasts (the rest of a turn's speech: usually one tick).
+#31954). In a tick someone waits on (urgent prefill, or a turn's reply before its first audio has left), background
+prefill gets at most `background_budget` steps: that tick's length is someone's time to first audio, and work the
+speech hides can wait one tick (vLLM caps long prefills per step for the same reason, `long_prefill_token_threshold`).
 Where the cache shares prefixes (`page_size` given), of the conversations about to compute the same next page on the
 same cached prefix only the first goes this tick: the others take its pages from the cache next tick instead of
 computing them again (SGLang's in-batch prefix caching).
@@ -32,10 +34,12 @@ class Work:
 
 
 class Scheduler:
-    def __init__(self, prefill_budget: int, page_size: int | None = None):
-        if prefill_budget < 1:
-            raise ValueError(f"prefill_budget must be >= 1, got {prefill_budget}")
-        self.prefill_budget, self.page_size = prefill_budget, page_size
+    def __init__(self, prefill_budget: int, background_budget: int, page_size: int | None = None):
+        if min(prefill_budget, background_budget) < 1:
+            raise ValueError(
+                f"prefill_budget and background_budget must be >= 1, got {prefill_budget} and {background_budget}"
+            )
+        self.prefill_budget, self.background_budget, self.page_size = prefill_budget, background_budget, page_size
         self._waiting_since: dict[str, float] = {}
 
     def pick(
@@ -67,9 +71,12 @@ class Scheduler:
             return True, -(conv.computed + AGING_STEPS_PER_S * waited)
 
         waiting.sort(key=order)
+        waited_on = any(urgent(c) for c, _ in waiting) or any(first_audio_due(w.conv) for w in decode)
         budget = self.prefill_budget
         leaders: set[tuple] = set()
         for conv, tokens in waiting:
+            if waited_on and not urgent(conv):  # the urgent work is all taken (it sorts first)
+                budget, waited_on = min(budget, self.background_budget), False
             if budget <= 0:
                 break
             if self.page_size is not None and len(tokens) > self.page_size:  # as `Engine._rematch` requires
@@ -94,3 +101,8 @@ def urgent(conv: Conversation) -> bool:
     if conv.mode == "duplex":
         return conv.first_frame_at is not None
     return conv.phase is Phase.REPLY
+
+
+def first_audio_due(conv: Conversation) -> bool:
+    """A turn's reply is computing towards its first audio: the user is waiting for it."""
+    return conv.mode == "turn" and conv.phase is Phase.REPLY and conv.emitted == conv.turns[-1].reply_start

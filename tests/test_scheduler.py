@@ -33,12 +33,12 @@ def prefill_order(s: Scheduler, convs: list[Conversation], now: float = 0.0) -> 
 
 
 def test_background_prefill_goes_longest_cached_prefix_first() -> None:
-    s = Scheduler(prefill_budget=32)
+    s = Scheduler(prefill_budget=32, background_budget=32)
     assert prefill_order(s, [conv("cold"), conv("warm", cached=16)]) == [("warm", 24), ("cold", 8)]
 
 
 def test_a_turn_being_answered_goes_before_background_prefill() -> None:
-    s = Scheduler(prefill_budget=32)
+    s = Scheduler(prefill_budget=32, background_budget=32)
     order = prefill_order(s, [conv("prompt", cached=16), answering(conv("tail", frames=20))])
     assert order == [("tail", 20), ("prompt", 12)]
 
@@ -46,14 +46,34 @@ def test_a_turn_being_answered_goes_before_background_prefill() -> None:
 def test_a_live_duplex_stream_goes_before_background_prefill() -> None:
     live = conv("live", mode="duplex", frames=20)
     live.first_frame_at = 0.0  # its user frames arrive: frame deadlines run
-    s = Scheduler(prefill_budget=16)
+    s = Scheduler(prefill_budget=16, background_budget=16)
     assert prefill_order(s, [conv("prompt", cached=16), live]) == [("live", 16)]
     assert prefill_order(s, [conv("prompt", cached=16), conv("opening", mode="duplex")]) == [("prompt", 16)]
 
 
 def test_urgent_prefill_goes_oldest_first() -> None:
-    s = Scheduler(prefill_budget=16)
+    s = Scheduler(prefill_budget=16, background_budget=16)
     served, first, second = answering(conv("served")), answering(conv("first")), answering(conv("second", cached=30))
     assert prefill_order(s, [served, first], now=0.0) == [("served", 16)]  # `first` waits from 0.0 on
     # 10 ms of aging is worth 20 cached steps, fewer than `second` has: only "longest waiting first" puts `first` first
     assert prefill_order(s, [second, first], now=0.01) == [("first", 16)]
+
+
+def test_background_prefill_is_capped_in_a_tick_someone_waits_on() -> None:
+    s = Scheduler(prefill_budget=64, background_budget=16)
+    assert prefill_order(s, [conv("prompt", frames=80), conv("other", frames=80)]) == [("prompt", 64)]
+    order = prefill_order(s, [conv("prompt", frames=80), conv("other", frames=80), answering(conv("tail", frames=20))])
+    assert order == [("tail", 20), ("prompt", 16)]
+
+
+def test_background_prefill_is_capped_while_a_reply_has_not_yet_sounded() -> None:
+    s = Scheduler(prefill_budget=64, background_budget=16)
+    replying = answering(conv("reply", frames=20))  # its speech is computed and its first frame partly sampled:
+    replying.user[20:30] = CFG.silent_id  # the user is silent while it replies
+    replying.model[20, 0] = 5  # codebook 0 of the reply's first frame (codebook 1 is a step behind)
+    replying.computed = replying.emitted = 20  # the next step is the reply's first; nothing has been sent
+    work = s.pick([conv("prompt", frames=80), replying], 0.0, lambda c: math.inf)
+    assert [(w.conv.id, len(w.tokens), w.decode) for w in work] == [("reply", 1, True), ("prompt", 16, False)]
+    replying.emitted += 4  # its first audio has left: nobody waits on this tick any more
+    work = s.pick([conv("prompt", frames=80), replying], 0.0, lambda c: math.inf)
+    assert [(w.conv.id, len(w.tokens), w.decode) for w in work] == [("reply", 1, True), ("prompt", 64, False)]
