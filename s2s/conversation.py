@@ -70,8 +70,8 @@ class Conversation:
 
     @property
     def dormant(self) -> bool:
-        """Preempted while listening, and no new user frames since: nothing to answer, so nothing is recomputed
-        (into pages that are short) until its user speaks again."""
+        """Preempted while listening with all it had computed, and no new user frames since: nothing to answer, so
+        nothing is recomputed (into pages that are short) until its user speaks again."""
         return self.phase is Phase.LISTEN and self.user_frames <= self.idle_frames
 
     def snapshot(self) -> dict:

@@ -635,10 +635,9 @@ class Engine:
 
     def _reserve_pages(self, work: list[Work]) -> list[Work]:
         """Pages for this round's work. When the pool runs short, a conversation preempts another (`_victim` says
-        which: a listener between turns first, the one opened last at the end, itself if it is that one); a prefill
-        shrinks to what fits; otherwise it waits a tick. Without this, conversations that each hold some pages and
-        each need one more, or listeners holding theirs while another cannot start its turn, would wait on each
-        other for ever."""
+        which: a listener between turns first, a newer one at the end); a prefill shrinks to what fits; otherwise
+        it waits a tick. Without this, conversations that each hold some pages and each need one more, or
+        listeners holding theirs while another cannot start its turn, would wait on each other for ever."""
         kept: list[Work] = []
         busy = {w.conv.id for w in work}
         preempted: set[str] = set()
@@ -658,8 +657,6 @@ class Engine:
                         self._preempt(victim)
                         preempted.add(victim.id)
                         kept = [k for k in kept if k.conv is not victim]
-                        if victim is conv:
-                            break
                         continue
                     s = self.cache.stats()
                     fit = (len(conv.pages) + s.free + s.cached_evictable) * self.cfg.page_size - conv.computed
@@ -682,7 +679,9 @@ class Engine:
         nothing needs its K/V soon. A user mid-utterance with nothing to compute until their next 80 ms block would
         recompute the whole conversation before their answer, so only a conversation someone is waiting on (its
         reply, or a live duplex stream: `urgent`) takes theirs; the recompute then partly hides behind the rest of
-        their speech. Otherwise vLLM's order: the one opened last, `conv` included."""
+        their speech. Otherwise vLLM's order: the one opened last, if it opened after `conv`. The one opened last
+        never preempts itself: it would give back pages that whoever needs them takes anyway (they are newer than
+        them), and compute them again into the same short pool the next tick."""
         if self.cache.pages_on_open(self.cfg.max_context):
             return None  # naive reserved every page at open: it never runs short
         others = [c for c in self.convs.values() if c.pages and c is not conv]
@@ -696,7 +695,8 @@ class Engine:
             return min(between or listening, key=lambda c: c.last_active)
         if not conv.pages:
             return None  # not started (or preempted): it takes no running conversation's pages
-        return max([*others, conv], key=lambda c: c.opened_at)
+        newest = max(others, key=lambda c: c.opened_at, default=None)
+        return newest if newest is not None and newest.opened_at > conv.opened_at else None
 
     @staticmethod
     def _answered(conv: Conversation) -> bool:
@@ -711,8 +711,8 @@ class Engine:
     def _preempt(self, conv: Conversation) -> None:
         """Give back a conversation's pages and recompute its K/V later (its frames are kept). Its full pages go to
         the prefix cache first, so what is not evicted meanwhile comes back on its next match."""
-        if conv.mode == "turn" and conv.phase is Phase.LISTEN:
-            conv.idle_frames = conv.user_frames
+        if conv.mode == "turn" and conv.phase is Phase.LISTEN and conv.step_token(conv.computed) is None:
+            conv.idle_frames = conv.user_frames  # all it had is computed: nothing to do until its user speaks
         self._insert(conv, lock=False)
         self.cache.release(conv.own_pages)
         if conv.handle is not None:

@@ -454,6 +454,35 @@ def test_out_of_pages_takes_a_conversation_between_turns_not_one_mid_utterance(m
     assert (engine.convs[late].computed == prompt.shape[1]) is not speaking
 
 
+def test_the_newest_conversation_short_of_pages_keeps_them_and_waits_instead_of_preempting_itself(model, tok) -> None:
+    """A newcomer computes a page of its prompt into the last free one, then needs more while the only other user
+    is mid-utterance (not to be preempted for a prompt). It keeps the page and waits; it used to preempt itself and
+    compute the same page again every other tick. Its user's speech arrives meanwhile; preempted then by the older
+    one's reply, it still computes that speech (it is not idle) instead of waiting for more."""
+    engine = make(model, tok, "paged", admission_headroom=math.inf, clock=CallClock())
+    first = engine.open("turn", sampling=GREEDY, admit=False)
+    run_turns(engine, [first], turns=1)
+    engine.push_audio(first, speech(0.2, seed=5))  # a second turn begins
+    for _ in range(3):
+        engine.step()
+    pages_short(engine, free=1)
+    prompt = tok.encode(speech(0.5, seed=99))[0]  # 38 frames: 3 pages
+    late = engine.open("turn", prompt=prompt, sampling=GREEDY, admit=False)
+    conv, prefilled = engine.convs[late], engine.stats.prefill_steps
+    for _ in range(6):
+        engine.step()
+    assert engine.stats.preempted == 0 and conv.computed == 16 and len(conv.pages) == 1
+    assert engine.stats.prefill_steps == prefilled + 16  # computed once, not again and again
+    engine.end_turn(first)  # its reply preempts the newcomer (newer) if it needs a page
+    engine.push_audio(late, speech(0.2, seed=6))  # the newcomer's user speaks: it needs its K/V now
+    for _ in range(200):
+        engine.step()
+        if conv.computed == conv.user_frames and engine.convs[first].phase is Phase.LISTEN:
+            break
+    assert conv.computed == conv.user_frames > prompt.shape[1]
+    assert engine.convs[first].turns[-1].reply_end is not None
+
+
 def test_a_reply_short_of_pages_takes_a_speakers_and_the_speaker_recomputes_when_they_speak_again(model, tok) -> None:
     """The newest conversation is replying and needs a page; the only other holds pages mid-utterance. The reply
     (someone is waiting on it) takes the speaker's pages rather than preempting itself tick after tick. The speaker,
