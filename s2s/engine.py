@@ -679,9 +679,10 @@ class Engine:
         nothing needs its K/V soon. A user mid-utterance with nothing to compute until their next 80 ms block would
         recompute the whole conversation before their answer, so only a conversation someone is waiting on (its
         reply, or a live duplex stream: `urgent`) takes theirs; the recompute then partly hides behind the rest of
-        their speech. Otherwise vLLM's order: the one opened last, if it opened after `conv`. The one opened last
-        never preempts itself: it would give back pages that whoever needs them takes anyway (they are newer than
-        them), and compute them again into the same short pool the next tick."""
+        their speech. Otherwise vLLM's order, first come first served: the one opened last, if it opened after `conv`
+        (a conversation with no pages too: one preempted earlier whose user now speaks). The one opened last never
+        preempts itself: every older conversation that needs its pages takes them, and it would only compute them
+        again into the same short pool the next tick."""
         if self.cache.pages_on_open(self.cfg.max_context):
             return None  # naive reserved every page at open: it never runs short
         others = [c for c in self.convs.values() if c.pages and c is not conv]
@@ -693,10 +694,9 @@ class Engine:
         between = [c for c in listening if self._answered(c)]
         if between or (listening and urgent(conv)):
             return min(between or listening, key=lambda c: c.last_active)
-        if not conv.pages:
-            return None  # not started (or preempted): it takes no running conversation's pages
-        newest = max(others, key=lambda c: c.opened_at, default=None)
-        return newest if newest is not None and newest.opened_at > conv.opened_at else None
+        opened = list(self.convs)  # in the order they opened (ties in `opened_at` too)
+        newer = [c for c in others if opened.index(c.id) > opened.index(conv.id)]
+        return max(newer, key=lambda c: opened.index(c.id), default=None)
 
     @staticmethod
     def _answered(conv: Conversation) -> bool:

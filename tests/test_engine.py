@@ -481,6 +481,24 @@ def test_the_newest_conversation_short_of_pages_keeps_them_and_waits_instead_of_
             break
     assert conv.computed == conv.user_frames > prompt.shape[1]
     assert engine.convs[first].turns[-1].reply_end is not None
+    assert engine.stats.preempted == 2  # the newcomer by the reply, then the answered one for the newcomer
+
+
+def test_an_older_conversation_with_no_pages_takes_them_from_a_newer_one(model, tok) -> None:
+    """First come, first served: the newer one holds the last free page (its prompt) and waits for more; the older
+    one's user speaks, and it takes that page, though it holds none (both used to wait for ever)."""
+    engine = make(model, tok, "paged", admission_headroom=math.inf, clock=CallClock())
+    older = engine.open("turn", sampling=GREEDY, admit=False)
+    pages_short(engine, free=1)
+    newer = engine.open("turn", prompt=tok.encode(speech(0.5, seed=99))[0], sampling=GREEDY, admit=False)
+    o, n = engine.convs[older], engine.convs[newer]
+    for _ in range(3):
+        engine.step()
+    assert n.computed == 16 and not o.pages
+    engine.push_audio(older, speech(0.2, seed=5))
+    for _ in range(5):
+        engine.step()
+    assert o.computed == o.user_frames > 0 and engine.stats.preempted == 1 and not n.pages
 
 
 def test_a_reply_short_of_pages_takes_a_speakers_and_the_speaker_recomputes_when_they_speak_again(model, tok) -> None:
