@@ -59,7 +59,7 @@ class Conversation:
         self.emitted = 0  # model frames handed to the audio decoder (duplex) or considered for it (turn)
         if mode == "duplex":
             self.model[0] = cfg.silent_id  # the model stream starts silent; frames from 1 on are predicted
-        self.opened_at = self.last_active = now  # last_active: its last computed step
+        self.last_active = now  # its last computed step
         self.idle_frames = -1  # user frames when it was preempted while listening (`dormant`)
         self.first_frame_at: float | None = None  # when the first user frame reached the engine (deadlines)
         self.prompt_frames = 0

@@ -694,9 +694,9 @@ class Engine:
         between = [c for c in listening if self._answered(c)]
         if between or (listening and urgent(conv)):
             return min(between or listening, key=lambda c: c.last_active)
-        opened = list(self.convs)  # in the order they opened (ties in `opened_at` too)
-        newer = [c for c in others if opened.index(c.id) > opened.index(conv.id)]
-        return max(newer, key=lambda c: opened.index(c.id), default=None)
+        order = {cid: i for i, cid in enumerate(self.convs)}  # `convs` keeps the order they opened in
+        newest = max(others, key=lambda c: order[c.id], default=None)
+        return newest if newest is not None and order[newest.id] > order[conv.id] else None
 
     @staticmethod
     def _answered(conv: Conversation) -> bool:
