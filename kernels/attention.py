@@ -1,9 +1,9 @@
 """Public attention functions over paged K/V, dispatched to Triton (CUDA) or torch (everywhere else).
 
 `set_backend("triton" | "torch" | "auto")` or the environment variable `S2S_ATTENTION_BACKEND` forces one.
-"auto" picks Triton for CUDA tensors; on CPU it takes the C++ decode kernel (`kernels/cpu_attention.py`) for decode
-batches it supports and the torch reference for the rest. "torch" is the reference alone. Forcing Triton on CPU
-tensors works only under `TRITON_INTERPRET=1` (tests).
+"auto" picks Triton for CUDA tensors; on CPU `kernels/cpu_attention.py`: a batch split into decode steps (its C++
+kernel) and groups of extends (the torch reference, which pads every sequence of a call to the longest). "torch" is
+the reference alone. Forcing Triton on CPU tensors works only under `TRITON_INTERPRET=1` (tests).
 """
 
 from __future__ import annotations
@@ -60,8 +60,10 @@ def paged_attention(
     """
     if _use_triton(q):
         from kernels import triton_attention as impl
-    elif _backend == "auto" and cpu_attention.supports(q, k_cache, cu_seqlens_q, causal):
-        return cpu_attention.paged_decode(q, k_cache, v_cache, page_table, seqlens_k, sliding_window, scale)
+    elif _backend == "auto" and q.device.type == "cpu":
+        return cpu_attention.paged_attention(
+            q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, causal, sliding_window, scale
+        )
     else:
         impl = reference
     return impl.paged_attention(

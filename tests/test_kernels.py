@@ -82,8 +82,8 @@ def test_store_kv_skips_negative_slots() -> None:
 
 
 def test_dispatch_flag(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CPU, "auto" sends decode batches to the C++ kernel and the rest to the reference; "torch" forces the
-    reference for everything."""
+    """On CPU, "auto" sends decode steps to the C++ kernel and extends to the reference, a mixed batch split between
+    them; "torch" forces the reference for everything, in one call."""
     from kernels import attention, cpu_attention
 
     with pytest.raises(ValueError, match="backend"):
@@ -97,13 +97,53 @@ def test_dispatch_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention, "_backend", attention._backend)
     k_cache, v_cache, page_table, _ = build([(4, 1), (9, 1)], 4, 2, 8, seed=0)
     decode = (torch.randn(2, 4, 8), k_cache, v_cache, page_table, torch.tensor([0, 1, 2]), torch.tensor([5, 10]))
-    extend = (torch.randn(3, 4, 8), k_cache, v_cache, page_table, torch.tensor([0, 1, 3]), torch.tensor([5, 10]))
-    for backend, want in (("auto", ["paged_decode", "paged_attention"]), ("torch", ["paged_attention"] * 2)):
+    mixed = (torch.randn(3, 4, 8), k_cache, v_cache, page_table, torch.tensor([0, 1, 3]), torch.tensor([5, 10]))
+    wants = (("auto", ["paged_decode", "paged_decode", "paged_attention"]), ("torch", ["paged_attention"] * 2))
+    for backend, want in wants:
         attention.set_backend(backend)
         calls.clear()
         attention.paged_attention(*decode)
-        attention.paged_attention(*extend)
+        attention.paged_attention(*mixed)
         assert calls == want
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seqs=st.lists(st.tuples(st.integers(0, 60), st.sampled_from([1, 1, 2, 5, 30])), min_size=1, max_size=7),
+    page_size=st.sampled_from([1, 16]),
+    window=st.sampled_from([None, 7]),
+)
+def test_cpu_split_batch_equals_reference(seqs, page_size, window) -> None:
+    """A CPU batch of decode steps and extends of any lengths, split into calls (`cpu_attention.groups`), gives what
+    one reference call over the whole batch gives."""
+    from kernels import cpu_attention
+
+    k_cache, v_cache, page_table, _ = build(seqs, page_size, 2, 8, seed=len(seqs))
+    q = torch.randn(sum(n for _, n in seqs), 4, 8, generator=torch.Generator().manual_seed(2))
+    cu = torch.tensor([0] + [n for _, n in seqs]).cumsum(0).int()
+    seqlens_k = torch.tensor([c + n for c, n in seqs], dtype=torch.int32)
+    want = reference.paged_attention(q, k_cache, v_cache, page_table, cu, seqlens_k, True, window)
+    got = cpu_attention.paged_attention(q, k_cache, v_cache, page_table, cu, seqlens_k, True, window, None)
+    assert (got - want).abs().max() <= 1e-5
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([1, 1, 2, 4, 5, 12, 64, 244, 256]), st.integers(1, 3000)), min_size=1))
+def test_cpu_groups_keep_padding_small(seqs) -> None:
+    """Every sequence in exactly one call; decode steps in one call of their own; no extend pays for another's
+    shape beyond the padding limit (one reference call pads all of its sequences to the longest query and keys:
+    16 decodes beside a 256-step prefill made that call 16x the prefill's work)."""
+    from kernels import cpu_attention
+
+    q_lens, k_lens = [q for q, _ in seqs], [max(q, k) for q, k in seqs]
+    parts = cpu_attention.groups(q_lens, k_lens)
+    assert sorted(i for part in parts for i in part) == list(range(len(seqs)))
+    decodes = [i for i, n in enumerate(q_lens) if n == 1]
+    assert [p for p in parts if any(q_lens[i] == 1 for i in p)] == ([decodes] if decodes else [])
+    for part in parts:
+        if len(part) > 1 and q_lens[part[0]] > 1:
+            padded = len(part) * max(q_lens[i] for i in part) * max(k_lens[i] for i in part)
+            assert padded <= cpu_attention.PADDING_LIMIT * sum(q_lens[i] * k_lens[i] for i in part)
 
 
 @settings(max_examples=30, deadline=None)
@@ -124,8 +164,8 @@ def test_cpu_decode_kernel_equals_reference(lens, page_size, heads, window) -> N
     q = torch.randn(len(seqs), hq, 16, generator=torch.Generator().manual_seed(3))
     cu = torch.arange(len(seqs) + 1, dtype=torch.int32)
     seqlens_k = torch.tensor(lens, dtype=torch.int32)
-    assert cpu_attention.supports(q, k_cache, cu, causal=True)
-    assert not cpu_attention.supports(q, k_cache, cu, causal=False)
+    assert cpu_attention.supports(q, k_cache, causal=True)
+    assert not cpu_attention.supports(q, k_cache, causal=False)
     want = reference.paged_attention(q, k_cache, v_cache, page_table, cu, seqlens_k, True, window)
     got = cpu_attention.paged_decode(q, k_cache, v_cache, page_table, seqlens_k, window, None)
     assert (got - want).abs().max() <= 1e-5
