@@ -12,8 +12,6 @@ the ratio is the figure. Context lengths are in steps.
 
 from __future__ import annotations
 
-import time
-
 import matplotlib
 
 matplotlib.use("Agg")
@@ -21,7 +19,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-from bench.common import environment, parser, print_table, save_outputs
+from bench.common import environment, parser, print_table, save_outputs, timed
 from cache import PagePool
 from kernels import set_backend
 from s2s import ModelConfig, S2SModel
@@ -56,10 +54,9 @@ def time_case(model: S2SModel, pool: PagePool, cached: list[int], new: list[int]
         for rep in range(reps + 1):
             for backend in times:
                 set_backend(backend)
-                t = time.perf_counter()
-                model.forward_paged(tokens, batch, pool.k, pool.v)
+                seconds, _ = timed(model.forward_paged, tokens, batch, pool.k, pool.v)
                 if rep:  # the first round warms up
-                    times[backend].append(time.perf_counter() - t)
+                    times[backend].append(seconds)
     set_backend("auto")
     return {backend: 1000 * float(np.median(ts)) for backend, ts in times.items()}
 

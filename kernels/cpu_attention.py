@@ -8,9 +8,10 @@ per (sequence, KV head), the group's query heads together, on as many threads as
 
 Extend (more than one query a sequence: prefill) goes to the reference, whose matmuls are far faster than a scalar
 loop for long chunks. But one reference call pads every sequence to the longest query and the longest keys: a tick
-of 16 decode steps and one 256-step prefill at 1,000 steps of context took 1.0 s as one call against 63 ms split
-(small preset, one thread), and a 244-step and a 12-step chunk together cost as much as two 244-step ones. So a
-batch is split (`groups`): its decode steps in one call, its extends in groups whose padding stays small.
+of 16 decode steps and one 256-step prefill at 1,000 steps of context took 1.09 s as one call against 70 ms split,
+and a 244-step and a 12-step chunk together 1.9x one 256-step chunk (`s2s bench attention`, small preset, one
+thread). So a batch is split (`groups`): its decode steps in one call, its extends in groups whose padding stays
+small.
 """
 
 from __future__ import annotations
@@ -137,9 +138,8 @@ def groups(q_lens: list[int], k_lens: list[int]) -> list[list[int]]:
     """The sequences of a batch, split into one reference (or C++) call each: every decode step together (the
     C++ kernel does not pad; the reference pads their keys only), then the extends, longest query first, each
     joining the current group while the group's padded work (sequences x longest query x longest keys) stays within
-    `PADDING_LIMIT` of its useful work (the sum of queries x keys), else opening the next. Grouping keeps a call's
-    fixed cost off the many short chunks of streamed speech that arrive together (16 chunks of 5 steps: 9.6 ms
-    grouped, 15 ms one call each, tiny preset)."""
+    `PADDING_LIMIT` of its useful work (the sum of queries x keys), else opening the next. Grouping, rather than a
+    call per extend, keeps a call's fixed cost off the many short chunks of streamed speech that arrive together."""
     out = [[i for i, n in enumerate(q_lens) if n == 1]]
     group: list[int] = []
     useful = longest_k = 0
@@ -187,15 +187,7 @@ def _call(q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, causal, slid
     if q.shape[0] == len(seqlens_k) and supports(q, k_cache, causal):  # one query a sequence: decode
         return paged_decode(q, k_cache, v_cache, page_table, seqlens_k, sliding_window, scale)
     return reference.paged_attention(
-        q,
-        k_cache,
-        v_cache,
-        page_table,
-        cu_seqlens_q,
-        seqlens_k,
-        causal=causal,
-        sliding_window=sliding_window,
-        scale=scale,
+        q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, causal, sliding_window, scale
     )
 
 
