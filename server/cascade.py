@@ -5,8 +5,8 @@ Stages of one turn, each stamped (`time.perf_counter`, the same monotonic clock 
 message sent right after the first reply audio:
 
 - endpointing: `server/vad.py`'s `Endpointer`, the turn mode's settings except `silence_ms` (a query parameter);
-- speech-to-text: pocketsphinx (`server/stt.py`), fed while the user speaks; at the endpoint only its final search is
-  left. Accuracy on espeak-ng voices is poor; what is measured is latency;
+- speech-to-text: pocketsphinx (`server/stt.py`) in worker processes, fed while the user speaks; at the endpoint only
+  its final search is left. Accuracy on espeak-ng voices is poor; what is measured is latency;
 - text decoder: `S2SModel` with one codebook of 256 bytes, the speech model's size, served by a codec-free `Engine`;
   the transcript goes in as the user stream, the reply streams out token by token (`--max-reply-frames` / 5 bytes:
   about 15 characters a second of speech). Random weights give random bytes: each becomes a letter, or a space one
@@ -16,6 +16,10 @@ message sent right after the first reply audio:
 - text-to-speech (`tts=espeak|engine`): espeak-ng, or the speech `S2SModel` served by a second `Engine` with the
   codec, the phrase's bytes as its user stream (both codebooks), generating codes turned into audio by the streaming
   decoder; once it has made `FRAMES_PER_CHAR` frames a character, the reply is cut (`interrupt`).
+
+Admission: a connection is refused (1013) when speech-to-text could not take another stream in real time
+(`SttWorkers.problem`) or when an engine refuses it, so that the cascade serves the conversations it admits at its
+best rather than all of them late.
 """
 
 from __future__ import annotations
@@ -41,10 +45,11 @@ from s2s import AudioEvent, Engine, EngineConfig, MetaEvent, ModelConfig, Refuse
 from s2s.engine import CodesEvent
 from server import protocol
 from server.app import ChatServer
+from server.audio import load_wav
 from server.client import BLOCK  # audio goes out in 80 ms messages, as clients send it
 from server.protocol import Control, Kind, ProtocolError
-from server.speech import synthesize
-from server.stt import Transcriber
+from server.speech import SAMPLE_PATH, synthesize
+from server.stt import SttStream, SttWorkers, default_workers
 from server.vad import Endpointer, VadConfig
 
 log = logging.getLogger("s2s.cascade")
@@ -93,7 +98,7 @@ class _Connection:
     tts: str
     text_cid: str
     speech_cid: str | None
-    stt: Transcriber
+    stt: SttStream
     opus: sphn.OpusStreamWriter | None
     stt_in: asyncio.Queue  # PCM blocks to transcribe, or a future to resolve with the final transcript
     turns: int = 0
@@ -126,14 +131,15 @@ class CascadeServer:
         host: str = "127.0.0.1",
         port: int = 8998,
         vad: VadConfig | None = None,
-        stt_decoders: int = 16,
+        stt_workers: int | None = None,
     ):
         self.text_engine, self.speech_engine = text_engine, speech_engine
         self.host, self.port, self.vad = host, port, vad or VadConfig()
-        self.stt_pool = [Transcriber() for _ in range(stt_decoders)]  # loaded once: no model load in a turn
+        self.stt = SttWorkers(stt_workers or default_workers(), text_engine.cfg.admission_headroom)
         self._server: Server | None = None
 
     async def start(self) -> int:
+        await self.stt.start(load_wav(SAMPLE_PATH))
         self.text_engine.start()
         self.speech_engine.start()
         self._server = await serve(self._chat, self.host, self.port, process_request=self._http, ping_interval=20)
@@ -145,6 +151,7 @@ class CascadeServer:
             await self._server.wait_closed()
         await asyncio.to_thread(self.text_engine.stop)
         await asyncio.to_thread(self.speech_engine.stop)
+        await asyncio.to_thread(self.stt.shutdown)
 
     def _http(self, connection: ServerConnection, request: Request) -> Response | None:
         path = request.path.partition("?")[0]
@@ -173,6 +180,8 @@ class CascadeServer:
         await ws.send(protocol.handshake())
         opened: list[tuple[Engine, str]] = []
         try:
+            if (problem := self.stt.problem()) is not None:
+                raise Refused(problem)
             opened.append((self.text_engine, await asyncio.to_thread(self.text_engine.open, "turn", sampling=sampling)))
             if tts == "engine":
                 cid = await asyncio.to_thread(self.speech_engine.open, "turn", sampling=sampling)
@@ -183,7 +192,7 @@ class CascadeServer:
             await ws.send(protocol.error(f"refused: {e}"))
             await ws.close(1013, "try again later")
             return
-        stt = self.stt_pool.pop() if self.stt_pool else await asyncio.to_thread(Transcriber)
+        stt = self.stt.open()
         conn = _Connection(
             ws,
             codec,
@@ -233,8 +242,7 @@ class CascadeServer:
             await transcriber
             for engine, cid in opened:
                 await asyncio.to_thread(engine.close, cid)
-            await asyncio.to_thread(stt.reset)
-            self.stt_pool.append(stt)
+            await stt.close()
 
     @staticmethod
     async def _transcribe(conn: _Connection) -> None:
@@ -246,11 +254,11 @@ class CascadeServer:
                 if failed is not None:
                     raise failed
                 if isinstance(item, asyncio.Future):
-                    text = await asyncio.to_thread(conn.stt.final)
+                    text = await conn.stt.final()
                     if not item.done():  # not given up on (a reply cancelled as the connection closed)
                         item.set_result(text)
                 else:
-                    await asyncio.to_thread(conn.stt.push, item)
+                    await conn.stt.push(item)
             except Exception as e:  # the reply waiting on it tells its client
                 if failed is None:
                     log.exception("speech-to-text failed")

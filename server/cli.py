@@ -154,7 +154,7 @@ async def _serve(args: argparse.Namespace) -> None:
             dtype,
             cuda_graphs=not args.enforce_eager,
         )
-        server = CascadeServer(text, engine, args.host, args.port, vad, stt_decoders=args.max_conversations)
+        server = CascadeServer(text, engine, args.host, args.port, vad)
     else:
         server = ChatServer(engine, ServerOptions(args.host, args.port, args.token, args.allowed_origin or [], vad=vad))
     port = await server.start()

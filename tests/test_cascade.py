@@ -1,4 +1,5 @@
-"""server/cascade.py: the cascade answers a turn over the websocket with audio and its per-stage timestamps."""
+"""server/cascade.py: the cascade answers a turn over the websocket with audio and its per-stage timestamps, and
+refuses a connection its speech-to-text could not transcribe in real time; server/stt.py's worker processes."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import pytest
 
 from codec import EncodecTokenizer
 from s2s import Engine, EngineConfig, ModelConfig, S2SModel
+from server.audio import load_wav
 from server.cascade import CascadeServer, printable, split_phrase, text_engine_for
 from server.client import talk
-from server.speech import speech
+from server.speech import SAMPLE_PATH, speech
+from server.stt import SttWorkers, Transcriber
 
 STAGES = ["endpoint", "stt_done", "llm_first_token", "phrase_ready", "tts_first_audio", "sent"]
 
@@ -33,7 +36,7 @@ def test_cascade_answers_a_turn(tts: str) -> None:
     wav, _ = speech("What is the weather like tomorrow?")
 
     async def run():
-        server = CascadeServer(text_engine, speech_engine, port=0, stt_decoders=1)
+        server = CascadeServer(text_engine, speech_engine, port=0, stt_workers=1)
         port = await server.start()
         try:
             return await talk(f"ws://127.0.0.1:{port}", wav, "turn", "pcm16", speed=4, listen_s=30, tts=tts, seed="1")
@@ -47,3 +50,74 @@ def test_cascade_answers_a_turn(tts: str) -> None:
     times = [first["times"][k] for k in STAGES]
     assert times == sorted(times), first["times"]
     assert any(m.get("event") == "reply_done" for m in result.metadata)
+
+
+def transcribe_here(*utterances: np.ndarray) -> list[str]:
+    """One decoder's finals, utterance after utterance (its noise normalization carries over between them)."""
+    t, finals = Transcriber(), []
+    for pcm in utterances:
+        for a in range(0, len(pcm), 1920):
+            t.push(pcm[a : a + 1920])
+        finals.append(t.final())
+    return finals
+
+
+def test_stt_workers_transcribe_as_one_decoder_and_price_streams() -> None:
+    pcm = load_wav(SAMPLE_PATH)
+    other = np.concatenate([np.zeros(12000, dtype=np.float32), pcm[::-1]])
+    want_a, want_b = transcribe_here(pcm, pcm), transcribe_here(other)
+    assert want_a[0], "the bundled speech should give a transcript"
+
+    async def run() -> None:
+        workers = SttWorkers(1, headroom=0.75)
+        try:
+            await workers.start(pcm)
+            assert workers.rtf > 0 and workers.per_worker() == max(1, int(0.75 / workers.rtf))
+            a, b = workers.open(), workers.open()  # two streams interleaved on one worker keep apart
+            for i in range(0, max(len(pcm), len(other)), 1920):
+                await asyncio.gather(a.push(pcm[i : i + 1920]), b.push(other[i : i + 1920]))
+            assert [await a.final(), await b.final()] == [want_a[0], want_b[0]]
+            await b.close()
+            for i in range(0, len(pcm), 1920):  # a's next utterance starts after its final search
+                await a.push(pcm[i : i + 1920])
+            assert await a.final() == want_a[1]
+            await a.close()
+
+            assert workers.problem() is None  # idle
+            streams = [workers.open() for _ in range(workers.per_worker())]
+            assert "speech-to-text is at capacity" in workers.problem()
+            await streams.pop().close()
+            assert workers.problem() is None
+            for s in streams:
+                await s.close()
+        finally:
+            workers.shutdown()
+
+    asyncio.run(run())
+
+
+def test_cascade_refuses_what_its_stt_cannot_take_and_keeps_serving() -> None:
+    """Headroom so small that one stream fills a worker: the second connection is refused with the reason, the
+    first still gets its reply."""
+    tok = EncodecTokenizer.from_pretrained(seed=0)
+    cfg = EngineConfig(calibration_ticks=0, max_conversations=4, max_reply_frames=75, frames_per_tick=4)
+    speech_engine = Engine(S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0), tok, cfg)
+    text_engine = text_engine_for("tiny", 75, 4, calibration_ticks=0, admission_headroom=0.01)
+    wav, _ = speech("What is the weather like tomorrow?")
+
+    async def run():
+        server = CascadeServer(text_engine, speech_engine, port=0, stt_workers=1)
+        port = await server.start()
+        url = f"ws://127.0.0.1:{port}"
+        try:
+            first = asyncio.create_task(talk(url, wav, "turn", "pcm16", speed=2, listen_s=30, seed="1"))
+            await asyncio.sleep(0.5)  # the first is connected and streaming
+            second = await talk(url, wav[:24000], "turn", "pcm16", listen_s=1, seed="2")
+            return await first, second
+        finally:
+            await server.stop()
+
+    first, second = asyncio.run(run())
+    assert any("refused: speech-to-text is at capacity" in e for e in second.errors), second.errors
+    assert len(second.reply) == 0
+    assert not first.errors and len(first.reply) > 0
