@@ -18,7 +18,7 @@ message sent right after the first reply audio:
   decoder; once it has made `FRAMES_PER_CHAR` frames a character, the reply is cut (`interrupt`).
 
 Admission: a connection is refused (1013) when speech-to-text could not take another stream in real time
-(`SttWorkers.problem`) or when an engine refuses it, so that the cascade serves the conversations it admits at its
+(`SttWorkers.open`) or when an engine refuses it, so that the cascade serves the conversations it admits at its
 best rather than all of them late.
 """
 
@@ -49,7 +49,7 @@ from server.audio import load_wav
 from server.client import BLOCK  # audio goes out in 80 ms messages, as clients send it
 from server.protocol import Control, Kind, ProtocolError
 from server.speech import SAMPLE_PATH, synthesize
-from server.stt import SttStream, SttWorkers, default_workers
+from server.stt import AtCapacity, SttStream, SttWorkers, default_workers
 from server.vad import Endpointer, VadConfig
 
 log = logging.getLogger("s2s.cascade")
@@ -135,7 +135,11 @@ class CascadeServer:
     ):
         self.text_engine, self.speech_engine = text_engine, speech_engine
         self.host, self.port, self.vad = host, port, vad or VadConfig()
-        self.stt = SttWorkers(stt_workers or default_workers(), text_engine.cfg.admission_headroom)
+        self.stt = SttWorkers(
+            default_workers() if stt_workers is None else stt_workers,
+            text_engine.cfg.admission_headroom,
+            text_engine.cfg.max_conversations,
+        )
         self._server: Server | None = None
 
     async def start(self) -> int:
@@ -179,20 +183,23 @@ class CascadeServer:
             return
         await ws.send(protocol.handshake())
         opened: list[tuple[Engine, str]] = []
+        stt: SttStream | None = None
         try:
-            if (problem := self.stt.problem()) is not None:
-                raise Refused(problem)
+            stt = self.stt.open()  # first, and before any await: connections arriving together see each other's
             opened.append((self.text_engine, await asyncio.to_thread(self.text_engine.open, "turn", sampling=sampling)))
             if tts == "engine":
                 cid = await asyncio.to_thread(self.speech_engine.open, "turn", sampling=sampling)
                 opened.append((self.speech_engine, cid))
-        except Refused as e:
+        except BaseException as e:  # a refusal, or anything else: what was opened is given back
             for engine, cid in opened:
                 await asyncio.to_thread(engine.close, cid)
+            if stt is not None:
+                await stt.close()
+            if not isinstance(e, (AtCapacity, Refused)):
+                raise
             await ws.send(protocol.error(f"refused: {e}"))
             await ws.close(1013, "try again later")
             return
-        stt = self.stt.open()
         conn = _Connection(
             ws,
             codec,

@@ -6,12 +6,16 @@ import argparse
 import importlib.util
 import pkgutil
 import runpy
+import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 
 def _bench_names() -> list[str]:
@@ -23,6 +27,8 @@ def _bench_names() -> list[str]:
 
 def roundtrip(args: argparse.Namespace) -> None:
     """Real speech through the streaming encoder (80 ms blocks, as a client sends) and decoder (frame by frame)."""
+    import torch
+
     from codec import EncodecTokenizer
     from server.audio import load_wav, save_wav
     from server.speech import speech
@@ -79,6 +85,8 @@ def _placement(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
 
 
 def _engine(args: argparse.Namespace):
+    import torch
+
     from codec import EncodecTokenizer
     from s2s import Engine, EngineConfig, ModelConfig, S2SModel
 
@@ -159,8 +167,10 @@ async def _serve(args: argparse.Namespace) -> None:
         server = ChatServer(engine, ServerOptions(args.host, args.port, args.token, args.allowed_origin or [], vad=vad))
     port = await server.start()
     print(f"serving ws://{args.host}:{port}/api/chat  (http://{args.host}:{port}/healthz, /metrics)", flush=True)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)  # `ServerProcess` stops it so
     try:
-        await asyncio.Event().wait()
+        await stop.wait()
     finally:
         await server.stop()
 

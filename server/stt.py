@@ -11,17 +11,23 @@ not transcribe in real time, as the engines do.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import logging
 import multiprocessing
 import os
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from multiprocessing.connection import wait
 
 import numpy as np
 import soxr
 from pocketsphinx import Decoder
 
+log = logging.getLogger("s2s.stt")
 RATE = 16000
 IN_RATE = 24000
 
@@ -59,13 +65,18 @@ _free: list[Transcriber] = []
 _streams: dict[int, Transcriber] = {}
 
 
+def _init() -> None:
+    """Exit with the server, however it ends (a worker waits on a queue it holds itself: it would never see EOF)."""
+    parent = multiprocessing.parent_process()
+    threading.Thread(target=lambda: (wait([parent.sentinel]), os._exit(0)), daemon=True).start()
+
+
 def _preload(decoders: int) -> None:
     _free.extend(Transcriber() for _ in range(max(0, decoders - len(_free) - len(_streams))))
 
 
 def _calibrate(pcm: np.ndarray) -> float:
-    """Seconds of search per second of audio, on a decoder of its own (a decoder carries its noise estimate from
-    one utterance to the next: the streams' decoders start fresh)."""
+    """Seconds of search per second of audio, on a decoder of its own (not one a stream will use)."""
     t = Transcriber()
     start = time.perf_counter()
     for a in range(0, len(pcm), IN_RATE // 10):
@@ -78,105 +89,141 @@ def _open(sid: int) -> None:
     _streams[sid] = _free.pop() if _free else Transcriber()
 
 
+def _stream(sid: int) -> Transcriber:
+    if sid not in _streams:
+        raise RuntimeError(f"speech-to-text stream {sid} is not open here (its decoder failed to load?)")
+    return _streams[sid]
+
+
 def _push(sid: int, pcm: np.ndarray) -> float:
     start = time.perf_counter()
-    _streams[sid].push(pcm)
+    _stream(sid).push(pcm)
     return time.perf_counter() - start
 
 
 def _final(sid: int) -> tuple[str, float]:
     start = time.perf_counter()
-    return _streams[sid].final(), time.perf_counter() - start
+    return _stream(sid).final(), time.perf_counter() - start
 
 
 def _close(sid: int) -> None:
-    t = _streams.pop(sid)
-    t.reset()
-    _free.append(t)
+    if (t := _streams.pop(sid, None)) is not None:
+        t.reset()
+        _free.append(t)
 
 
 # ---- in the server --------------------------------------------------------------------------------------------------
 
 
+class AtCapacity(Exception):
+    """No worker can transcribe another stream in real time (the server refuses the connection)."""
+
+
+DECAY = 0.99  # per measured call: the cost estimate follows about the last 100 calls (8 s of one stream's audio)
+
+
 @dataclass
 class SttStream:
-    """One connection's speech-to-text; its calls run in order on its worker."""
+    """One connection's speech-to-text, on one worker process (its decoder is there); its calls run in order."""
 
     workers: SttWorkers
     worker: int
+    pool: ProcessPoolExecutor  # the worker's process when the stream opened: if it dies, the stream's calls fail
     sid: int
+    closed: bool = False
 
     async def push(self, pcm: np.ndarray) -> None:
-        busy = await self.workers.call(self.worker, _push, self.sid, pcm)
+        busy = await self._call(_push, self.sid, pcm)
         self.workers.account(busy, len(pcm) / IN_RATE)
 
     async def final(self) -> str:
-        text, busy = await self.workers.call(self.worker, _final, self.sid)
+        text, busy = await self._call(_final, self.sid)
         self.workers.account(busy, 0.0)
         return text
 
     async def close(self) -> None:
-        """Back to its worker's free decoders; the stream's slot is freed at once (even if the call fails)."""
+        """Free the stream's slot at once, then its decoder (nothing to free if its process died)."""
+        if self.closed:
+            return
+        self.closed = True
         self.workers.load[self.worker] -= 1
-        await self.workers.call(self.worker, _close, self.sid)
+        with contextlib.suppress(BrokenProcessPool):
+            await self._call(_close, self.sid)
+
+    async def _call(self, fn, *args):
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+        except BrokenProcessPool:
+            self.workers.replace(self.worker, self.pool)
+            raise
 
 
 class SttWorkers:
     """`workers` processes (spawned: the server holds torch threads a fork would copy), each holding pocketsphinx
-    decoders. A stream stays on one worker (its decoder is there); a single-process executor runs its calls in
-    submission order. `rtf`: seconds of search per second of audio, first calibrated on `calibration_pcm`, then
-    measured over every push and final search."""
+    decoders; a single-process executor runs a worker's calls one at a time in submission order. `rtf`: seconds of
+    search per second of audio, calibrated at start, then measured over recent calls. A worker that dies is
+    replaced: its streams fail (their replies say so), new streams go to the new process."""
 
-    def __init__(self, workers: int, headroom: float):
-        if workers < 1 or not 0 < headroom <= 1:
-            raise ValueError(f"need workers >= 1 and 0 < headroom <= 1, got {workers} and {headroom}")
-        self.headroom = headroom
-        ctx = multiprocessing.get_context("spawn")
-        self.pools = [ProcessPoolExecutor(1, mp_context=ctx) for _ in range(workers)]
+    def __init__(self, workers: int, headroom: float, max_streams: int):
+        if workers < 1 or max_streams < 1 or not 0 < headroom <= 1:
+            raise ValueError(
+                f"need workers >= 1, max_streams >= 1 and 0 < headroom <= 1, got {workers}, {max_streams}, {headroom}"
+            )
+        self.headroom, self.max_streams = headroom, max_streams
+        self.pools = [self._pool() for _ in range(workers)]
         self.load = [0] * workers  # open streams per worker
         self.rtf = 0.0
-        self._busy_s, self._audio_s = 0.0, 0.0
+        self._busy_s = self._audio_s = 0.0
         self._ids = itertools.count()
 
     async def start(self, calibration_pcm: np.ndarray) -> None:
-        """Calibrate the cost of a stream, then load as many decoders per worker as it admits (no load in a turn)."""
-        rtfs = await asyncio.gather(*(self.call(w, _calibrate, calibration_pcm) for w in range(len(self.pools))))
+        """Calibrate a stream's cost, then load the decoders the workers will admit (no model load in a turn)."""
+        loop = asyncio.get_running_loop()
+        rtfs = await asyncio.gather(*(loop.run_in_executor(p, _calibrate, calibration_pcm) for p in self.pools))
+        self._busy_s, self._audio_s = max(rtfs), 1.0
         self.rtf = max(rtfs)
-        self._busy_s, self._audio_s = self.rtf * len(calibration_pcm) / IN_RATE, len(calibration_pcm) / IN_RATE
-        await asyncio.gather(*(self.call(w, _preload, self.per_worker()) for w in range(len(self.pools))))
+        await asyncio.gather(*(loop.run_in_executor(p, _preload, self.preload()) for p in self.pools))
 
     def per_worker(self) -> int:
         """Streams one worker transcribes in real time within the headroom (at least one)."""
         return max(1, int(self.headroom / self.rtf)) if self.rtf > 0 else 1
 
-    def problem(self) -> str | None:
-        """Why another stream cannot be transcribed in real time, or None. An idle pool always takes one."""
-        if sum(self.load) == 0 or min(self.load) < self.per_worker():
-            return None
-        return (
-            f"speech-to-text is at capacity: {sum(self.load)} streams on {len(self.pools)} worker(s), each stream "
-            f"{self.rtf:.2f} s of search per second of audio, {self.headroom:.0%} of a worker at most"
-        )
+    def preload(self) -> int:
+        return min(self.per_worker(), -(-self.max_streams // len(self.pools)))
 
     def open(self) -> SttStream:
-        """A stream on the least loaded worker; the caller checks `problem()` first."""
+        """A stream on the least loaded worker, or `AtCapacity` when none can take one more in real time. An idle pool
+        always takes one. Synchronous: a check and a reservation no other connection can come between."""
         worker = self.load.index(min(self.load))
+        if sum(self.load) and self.load[worker] >= self.per_worker():
+            raise AtCapacity(
+                f"speech-to-text is at capacity: {sum(self.load)} streams on {len(self.pools)} worker(s), each "
+                f"stream {self.rtf:.2f} s of search per second of audio, {self.headroom:.0%} of a worker at most"
+            )
+        stream = SttStream(self, worker, self.pools[worker], next(self._ids))
         self.load[worker] += 1
-        stream = SttStream(self, worker, next(self._ids))
-        self.pools[worker].submit(_open, stream.sid)  # runs before the stream's first call (submission order)
+        stream.pool.submit(_open, stream.sid)  # runs before the stream's first call (submission order)
         return stream
 
-    async def call(self, worker: int, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.pools[worker], fn, *args)
-
     def account(self, busy_s: float, audio_s: float) -> None:
-        self._busy_s += busy_s
-        self._audio_s += audio_s
+        self._busy_s = DECAY * self._busy_s + busy_s
+        self._audio_s = DECAY * self._audio_s + audio_s
         self.rtf = self._busy_s / self._audio_s
+
+    def replace(self, worker: int, dead: ProcessPoolExecutor) -> None:
+        """A new process for `worker` once its pool broke (once: later failures of the same pool find it replaced)."""
+        if self.pools[worker] is dead:
+            log.error("speech-to-text worker %d died; starting another", worker)
+            self.pools[worker] = self._pool()
+            self.pools[worker].submit(_preload, self.preload())
 
     def shutdown(self) -> None:
         for pool in self.pools:
             pool.shutdown(wait=True, cancel_futures=True)
+
+    @staticmethod
+    def _pool() -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_init)
 
 
 def default_workers() -> int:

@@ -4,6 +4,13 @@ refuses a connection its speech-to-text could not transcribe in real time; serve
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +21,7 @@ from server.audio import load_wav
 from server.cascade import CascadeServer, printable, split_phrase, text_engine_for
 from server.client import talk
 from server.speech import SAMPLE_PATH, speech
-from server.stt import SttWorkers, Transcriber
+from server.stt import AtCapacity, SttWorkers, Transcriber
 
 STAGES = ["endpoint", "stt_done", "llm_first_token", "phrase_ready", "tts_first_audio", "sent"]
 
@@ -69,7 +76,7 @@ def test_stt_workers_transcribe_as_one_decoder_and_price_streams() -> None:
     assert want_a[0], "the bundled speech should give a transcript"
 
     async def run() -> None:
-        workers = SttWorkers(1, headroom=0.75)
+        workers = SttWorkers(1, headroom=0.75, max_streams=4)
         try:
             await workers.start(pcm)
             assert workers.rtf > 0 and workers.per_worker() == max(1, int(0.75 / workers.rtf))
@@ -83,13 +90,14 @@ def test_stt_workers_transcribe_as_one_decoder_and_price_streams() -> None:
             assert await a.final() == want_a[1]
             await a.close()
 
-            assert workers.problem() is None  # idle
-            streams = [workers.open() for _ in range(workers.per_worker())]
-            assert "speech-to-text is at capacity" in workers.problem()
+            streams = [workers.open() for _ in range(workers.per_worker())]  # idle: takes one at least
+            with pytest.raises(AtCapacity, match="speech-to-text is at capacity"):
+                workers.open()
             await streams.pop().close()
-            assert workers.problem() is None
+            streams.append(workers.open())  # a closed stream's slot is free again
             for s in streams:
                 await s.close()
+            assert workers.load == [0]
         finally:
             workers.shutdown()
 
@@ -109,15 +117,65 @@ def test_cascade_refuses_what_its_stt_cannot_take_and_keeps_serving() -> None:
         server = CascadeServer(text_engine, speech_engine, port=0, stt_workers=1)
         port = await server.start()
         url = f"ws://127.0.0.1:{port}"
-        try:
-            first = asyncio.create_task(talk(url, wav, "turn", "pcm16", speed=2, listen_s=30, seed="1"))
-            await asyncio.sleep(0.5)  # the first is connected and streaming
-            second = await talk(url, wav[:24000], "turn", "pcm16", listen_s=1, seed="2")
-            return await first, second
+        try:  # both at once: admission must not let the second in while the first's engines open
+            return await asyncio.gather(
+                *(talk(url, wav, "turn", "pcm16", speed=2, listen_s=30, seed=str(i)) for i in range(2))
+            )
         finally:
             await server.stop()
 
-    first, second = asyncio.run(run())
-    assert any("refused: speech-to-text is at capacity" in e for e in second.errors), second.errors
-    assert len(second.reply) == 0
-    assert not first.errors and len(first.reply) > 0
+    results = asyncio.run(run())
+    refused = [r for r in results if any("refused: speech-to-text is at capacity" in e for e in r.errors)]
+    served = [r for r in results if not r.errors and len(r.reply) > 0]
+    assert len(refused) == 1 and len(served) == 1, [r.errors for r in results]
+    assert len(refused[0].reply) == 0
+
+
+def test_a_dead_stt_worker_is_replaced() -> None:
+    pcm = load_wav(SAMPLE_PATH)[:24000]
+
+    async def run() -> None:
+        workers = SttWorkers(1, headroom=0.75, max_streams=2)
+        try:
+            await workers.start(pcm)
+            doomed = workers.open()
+            await doomed.push(pcm)
+            os.kill(await asyncio.get_running_loop().run_in_executor(workers.pools[0], os.getpid), signal.SIGKILL)
+            with pytest.raises(BrokenProcessPool):
+                await doomed.final()
+            await doomed.close()
+            assert workers.load == [0]
+            fresh = workers.open()  # on the new process
+            for a in range(0, len(pcm), 1920):
+                await fresh.push(pcm[a : a + 1920])
+            assert await fresh.final() == transcribe_here(pcm)[0]
+            await fresh.close()
+        finally:
+            workers.shutdown()
+
+    asyncio.run(run())
+
+
+def test_stt_workers_exit_with_their_server() -> None:
+    """A server that dies without shutting its workers down (SIGKILL, or SIGTERM before the handler) leaves none."""
+    code = (
+        "import os\n"
+        "from server.stt import SttWorkers\n"
+        "w = SttWorkers(1, 0.75, 1)\n"
+        "print(w.pools[0].submit(os.getpid).result(), flush=True)\n"
+        "os._exit(0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    worker = int(out.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(worker):
+        time.sleep(0.1)
+    assert not _alive(worker), f"worker {worker} outlived its server"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie has exited
