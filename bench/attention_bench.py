@@ -12,6 +12,8 @@ the ratio is the figure. Context lengths are in steps.
 
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -64,13 +66,14 @@ def time_case(model: S2SModel, pool: PagePool, cached: list[int], new: list[int]
 def plot(rows: list[dict], path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     presets = sorted({r["preset"] for r in rows})
-    fig, axes = plt.subplots(1, len(presets), figsize=(7 * len(presets), 4.5), squeeze=False)
+    # one set of row labels, wrapped, on the left: the batches are the same in every preset
+    fig, axes = plt.subplots(1, len(presets), figsize=(5 * len(presets) + 2, 4.5), squeeze=False, sharey=True)
     for ax, preset in zip(axes[0], presets, strict=True):
         mine = [r for r in rows if r["preset"] == preset]
         y = np.arange(len(mine))
         ax.barh(y - 0.2, [r["padded_ms"] for r in mine], 0.4, label="one padded call (torch)")
         ax.barh(y + 0.2, [r["split_ms"] for r in mine], 0.4, label="split (auto)")
-        ax.set_yticks(y, [r["batch"] for r in mine], fontsize=7)
+        ax.set_yticks(y, [textwrap.fill(r["batch"], 24) for r in mine], fontsize=7)
         ax.set_xscale("log")
         ax.set_xlabel("forward_paged ms (median)")
         ax.set_title(f"{preset} preset, one thread")
