@@ -179,3 +179,17 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"  # a zombie has exited
+
+
+def test_cascade_server_process_stops_cleanly_on_sigterm() -> None:
+    """`s2s serve --cascade` in a child process (as the bench runs it): SIGTERM stops it through `server.stop()`
+    (exit status 0), and its speech-to-text workers go with it."""
+    from server.process import ServerProcess
+
+    server = ServerProcess("--cascade", "--preset", "tiny", "--threads", "1", "--max-conversations", "2")
+    with server:
+        pid = server.proc.pid
+        children = {int(c) for f in Path(f"/proc/{pid}/task").glob("*/children") for c in f.read_text().split()}
+        assert children, "the STT worker should be a child process of the server"
+    assert server.proc.returncode == 0, server.output
+    assert not [c for c in children if _alive(c)], f"STT workers {children} outlived their server"
