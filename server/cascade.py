@@ -254,7 +254,7 @@ class CascadeServer:
     @staticmethod
     async def _transcribe(conn: _Connection) -> None:
         """Speech-to-text beside endpointing (as pipecat runs its STT service): blocks in arrival order; a future
-        asks for the final transcript of everything before it; None ends it."""
+        asks for the final transcript of everything before it; None ends it. A failure closes the connection."""
         failed: Exception | None = None  # once the recognizer fails, every later transcript request gets the error
         while (item := await conn.stt_in.get()) is not None:
             try:
@@ -266,12 +266,15 @@ class CascadeServer:
                         item.set_result(text)
                 else:
                     await conn.stt.push(item)
-            except Exception as e:  # the reply waiting on it tells its client
-                if failed is None:
-                    log.exception("speech-to-text failed")
-                failed = e
+            except Exception as e:
                 if isinstance(item, asyncio.Future) and not item.done():
-                    item.set_exception(e)
+                    item.set_exception(e)  # the reply waiting on it tells its client
+                if failed is None:  # its decoder's state is gone: the conversation ends, the client may reconnect
+                    log.exception("speech-to-text failed")
+                    with contextlib.suppress(ConnectionClosed):
+                        await conn.ws.send(protocol.error(f"speech-to-text failed: {type(e).__name__}: {e}"))
+                        await conn.ws.close(1011, "speech-to-text failed")
+                failed = e
 
     async def _reply_or_error(self, conn: _Connection, endpoint: float) -> None:
         """`_reply`, with any failure told to the client (0x05) and logged rather than lost in a task."""

@@ -193,3 +193,28 @@ def test_cascade_server_process_stops_cleanly_on_sigterm() -> None:
         assert children, "the STT worker should be a child process of the server"
     assert server.proc.returncode == 0, server.output
     assert not [c for c in children if _alive(c)], f"STT workers {children} outlived their server"
+
+
+def test_a_conversation_whose_stt_worker_dies_is_told_and_the_next_is_served() -> None:
+    tok = EncodecTokenizer.from_pretrained(seed=0)
+    cfg = EngineConfig(calibration_ticks=0, max_conversations=2, max_reply_frames=75, frames_per_tick=4)
+    speech_engine = Engine(S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0), tok, cfg)
+    text_engine = text_engine_for("tiny", 75, 2, calibration_ticks=0)
+    wav, _ = speech("What is the weather like tomorrow?")
+
+    async def run():
+        server = CascadeServer(text_engine, speech_engine, port=0, stt_workers=1)
+        url = f"ws://127.0.0.1:{await server.start()}"
+        try:
+            doomed = asyncio.create_task(talk(url, wav, "turn", "pcm16", listen_s=30, seed="1"))
+            await asyncio.sleep(0.5)  # streaming into its worker
+            loop = asyncio.get_running_loop()
+            os.kill(await loop.run_in_executor(server.stt.pools[0], os.getpid), signal.SIGKILL)
+            first = await doomed
+            return first, await talk(url, wav, "turn", "pcm16", speed=4, listen_s=30, seed="2")
+        finally:
+            await server.stop()
+
+    first, second = asyncio.run(run())
+    assert any(e.startswith("speech-to-text failed") for e in first.errors), first.errors
+    assert not second.errors and len(second.reply) > 0
