@@ -143,9 +143,9 @@ class CascadeServer:
         self._server: Server | None = None
 
     async def start(self) -> int:
-        await self.stt.start(load_wav(SAMPLE_PATH))
         self.text_engine.start()
         self.speech_engine.start()
+        await self.stt.start(load_wav(SAMPLE_PATH))  # calibrated beside the running engines
         self._server = await serve(self._chat, self.host, self.port, process_request=self._http, ping_interval=20)
         return self._server.sockets[0].getsockname()[1]
 

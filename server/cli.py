@@ -165,10 +165,16 @@ async def _serve(args: argparse.Namespace) -> None:
         server = CascadeServer(text, engine, args.host, args.port, vad)
     else:
         server = ChatServer(engine, ServerOptions(args.host, args.port, args.token, args.allowed_origin or [], vad=vad))
-    port = await server.start()
-    print(f"serving ws://{args.host}:{port}/api/chat  (http://{args.host}:{port}/healthz, /metrics)", flush=True)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)  # `ServerProcess` stops it so
+    port = await server.start()
+    if args.cascade:
+        stt = server.stt
+        print(
+            f"speech-to-text: {len(stt.pools)} worker(s), {stt.rtf:.3f} s of search per second of audio, "
+            f"{stt.per_worker()} streams each"
+        )
+    print(f"serving ws://{args.host}:{port}/api/chat  (http://{args.host}:{port}/healthz, /metrics)", flush=True)
     try:
         await stop.wait()
     finally:

@@ -142,11 +142,13 @@ class SttStream:
         return text
 
     async def close(self) -> None:
-        """Free the stream's slot at once, then its decoder (nothing to free if its process died)."""
+        """Free the stream's slot at once, then its decoder (nothing to free if its process died: its slot went with
+        it, see `SttWorkers.replace`)."""
         if self.closed:
             return
         self.closed = True
-        self.workers.load[self.worker] -= 1
+        if self.pool is self.workers.pools[self.worker]:
+            self.workers.load[self.worker] -= 1
         with contextlib.suppress(BrokenProcessPool):
             await self._call(_close, self.sid)
 
@@ -161,8 +163,9 @@ class SttStream:
 class SttWorkers:
     """`workers` processes (spawned: the server holds torch threads a fork would copy), each holding pocketsphinx
     decoders; a single-process executor runs a worker's calls one at a time in submission order. `rtf`: seconds of
-    search per second of audio, calibrated at start, then measured over recent calls. A worker that dies is
-    replaced: its streams fail (their replies say so), new streams go to the new process."""
+    search per second of audio, calibrated at start, then measured over recent calls. A worker found dead (by a
+    call of one of its streams, or when a stream opens on it) is replaced: its streams' calls fail, new streams go to
+    the new process."""
 
     def __init__(self, workers: int, headroom: float, max_streams: int):
         if workers < 1 or max_streams < 1 or not 0 < headroom <= 1:
@@ -200,15 +203,20 @@ class SttWorkers:
                 f"speech-to-text is at capacity: {sum(self.load)} streams on {len(self.pools)} worker(s), each "
                 f"stream {self.rtf:.2f} s of search per second of audio, {self.headroom:.0%} of a worker at most"
             )
-        stream = SttStream(self, worker, self.pools[worker], next(self._ids))
+        sid = next(self._ids)
+        try:
+            self.pools[worker].submit(_open, sid)  # runs before the stream's first call (submission order)
+        except BrokenProcessPool:  # it died while no stream was calling it
+            self.replace(worker, self.pools[worker])
+            self.pools[worker].submit(_open, sid)
         self.load[worker] += 1
-        stream.pool.submit(_open, stream.sid)  # runs before the stream's first call (submission order)
-        return stream
+        return SttStream(self, worker, self.pools[worker], sid)
 
     def account(self, busy_s: float, audio_s: float) -> None:
         self._busy_s = DECAY * self._busy_s + busy_s
         self._audio_s = DECAY * self._audio_s + audio_s
-        self.rtf = self._busy_s / self._audio_s
+        if self._audio_s > 0:
+            self.rtf = self._busy_s / self._audio_s
 
     def replace(self, worker: int, dead: ProcessPoolExecutor) -> None:
         """A new process for `worker` once its pool broke (once: later failures of the same pool find it replaced)."""
@@ -216,6 +224,7 @@ class SttWorkers:
             log.error("speech-to-text worker %d died; starting another", worker)
             self.pools[worker] = self._pool()
             self.pools[worker].submit(_preload, self.preload())
+            self.load[worker] = 0  # the dead process's streams hold no slot on the new one
 
     def shutdown(self) -> None:
         for pool in self.pools:
