@@ -40,7 +40,7 @@ from s2s.cuda_graphs import DecodeGraphs
 from s2s.metrics import CostModel, EngineStats
 from s2s.model import S2SModel
 from s2s.sampling import SamplingParams, sample
-from s2s.scheduler import Scheduler, Work, urgent
+from s2s.scheduler import Scheduler, Work, first_audio_due, urgent
 
 FRAME_S = 320 / 24000
 # frames at each calibration size the cost model does not learn from: first calls at a new batch size, and the
@@ -496,6 +496,9 @@ class Engine:
                 self._sample([w.conv for w in work])  # waits for the forward: on a GPU its time lands here
                 t_sampled = self.clock()
                 self._advance_replies()
+                t_decode = self.clock()
+                self._decode_audio(first_audio_only=True)  # a turn's first audio leaves now, not after the tick
+                phases["decode"] += self.clock() - t_decode
                 rounds += 1
                 decode_steps += sum(1 for w in work if w.decode)
                 prefill_steps += sum(len(w.tokens) for w in work if not w.decode)
@@ -773,9 +776,14 @@ class Engine:
             if turn.reply_end is not None:
                 self._fill_reply_silence(conv)
 
-    def _decode_audio(self) -> None:
+    def _decode_audio(self, first_audio_only: bool = False) -> None:
+        """Decode and send every conversation's newly complete frames (one decoder call per chunk length).
+        `first_audio_only`: only turns whose reply has its first frame complete and nothing sent yet; the rest
+        of the tick's rounds would otherwise delay that first audio (the user is waiting on it)."""
         groups: dict[int, list[tuple[Conversation, int, int]]] = {}
         for conv in self.convs.values():
+            if first_audio_only and not first_audio_due(conv):
+                continue
             start, stop = self._sendable(conv)
             if stop > start:
                 groups.setdefault(stop - start, []).append((conv, start, stop))

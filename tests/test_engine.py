@@ -390,6 +390,29 @@ def test_end_of_turn_starts_a_tick_at_once(model, tok) -> None:
         engine.stop()
 
 
+def test_a_turns_first_audio_leaves_in_the_round_it_is_complete(model, tok) -> None:
+    """With 8 frames a tick, the reply's first frame is complete after its second step (delays [0, 1]): its audio
+    is queued then, before the tick's later rounds run, not when the tick ends."""
+    engine = make(model, tok, "radix", frames_per_tick=8)
+    cid = engine.open("turn", sampling=GREEDY)
+    engine.push_audio(cid, speech(0.4, seed=3))
+    engine.end_turn(cid)
+    q, forward, ticks, seen = engine.event_queue(cid), engine._forward, 0, []
+
+    def spy(work) -> None:
+        seen.append((ticks, q.qsize()))  # events queued when a round starts, by tick
+        forward(work)
+
+    engine._forward = spy
+    while q.empty():
+        engine.step()
+        ticks += 1
+    first = q.queue[0]
+    assert isinstance(first, AudioEvent) and first.turn == 0
+    assert len(first.pcm) == 320, "the first audio should be the first frame alone"
+    assert any(t == ticks - 1 and n > 0 for t, n in seen), "the first audio waited for the end of its tick"
+
+
 def test_admission_counts_turn_conversations_and_an_idle_engine_admits(model, tok) -> None:
     """Turn-mode conversations count as real-time streams (they may all reply at once); an engine with nobody in it
     admits one whatever its cost model says, so a model soured by an overload cannot lock everyone out."""
