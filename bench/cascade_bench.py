@@ -14,7 +14,7 @@ endpoint: turn latency is from the block holding the last speech frame f leaving
 server) to the arrival of model frame f + max_delay + 1, the first whose every code was sampled with user frame f
 wholly in context (frames are counted in the pcm16 stream). Per-stage times come from the servers' metadata
 (`time.perf_counter`, CLOCK_MONOTONIC on Linux, the same clock in every process). Concurrency N: N clients, started
-1/N s apart, each making its turns one after another on fresh connections.
+1/N s apart, each making its turns one after another on fresh connections, 0.5 s apart (`TURN_GAP_S`).
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ from server.speech import synthesize
 from server.vad import Endpointer, VadConfig
 
 SILENT = 0.005  # |sample| above this is speech
+TURN_GAP_S = 0.5  # a client's pause between its turns
 PRESET = "small"
 SENTENCES = [
     "What is the weather going to be like tomorrow morning",
@@ -215,10 +216,12 @@ async def run_level(
 ) -> list[TurnResult]:
     async def client(i: int) -> list[TurnResult]:
         await asyncio.sleep(i / n)
-        return [
-            await one_turn(url, voices[(i + r) % len(voices)], system, query, timeout_s, max_delay)
-            for r in range(rounds)
-        ]
+        results = []
+        for r in range(rounds):
+            if r:  # the server closes the last conversation a tick or two after its socket: not refused for it
+                await asyncio.sleep(TURN_GAP_S)
+            results.append(await one_turn(url, voices[(i + r) % len(voices)], system, query, timeout_s, max_delay))
+        return results
 
     return [r for rs in await asyncio.gather(*(client(i) for i in range(n))) for r in rs]
 
