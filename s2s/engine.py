@@ -453,12 +453,13 @@ class Engine:
             self.step()
             next_tick += self.cfg.tick_s
             delay = next_tick - self.clock()
-            if delay > 0 and not self._behind():
-                if self._wake.wait(delay):  # a turn ended: its reply starts now, not up to a tick later
-                    self._wake.clear()
-                    next_tick = self.clock()
-            elif delay <= 0:
-                next_tick = self.clock()  # late: start the next tick now, and count from there
+            if delay <= 0 or self._behind():
+                # late, or input waiting: start the next tick now, and count from there (not from a schedule that
+                # ran ahead while ticks ran back to back, which would then sleep through arriving frames)
+                next_tick = self.clock()
+            elif self._wake.wait(delay):  # a turn ended: its reply starts now, not up to a tick later
+                self._wake.clear()
+                next_tick = self.clock()
 
     def _behind(self) -> bool:
         """A duplex conversation still has a step it could take now: its input came in faster than a tick's worth

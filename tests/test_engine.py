@@ -390,6 +390,31 @@ def test_end_of_turn_starts_a_tick_at_once(model, tok) -> None:
         engine.stop()
 
 
+def test_the_loop_does_not_sleep_through_input_after_ticks_back_to_back(model, tok) -> None:
+    """While input waits, ticks run back to back; once caught up, the loop waits at most what is left of one tick
+    slot. (It used to keep a schedule advancing a slot per tick, ran ahead of the clock during the run, then slept
+    off the difference while frames arrived: two duplex conversations missed a third of their frames.)"""
+    clock = SimClock()
+    engine = make(model, tok, "radix", clock=clock)
+    tick = engine.cfg.tick_s
+    behind = iter([True] * 10)
+    waits = []
+
+    def step() -> None:
+        clock.now += 0.6 * tick  # a tick takes 60 % of its slot
+
+    def wait(delay: float) -> bool:
+        waits.append(delay)
+        clock.now += delay
+        if len(waits) == 3:
+            engine._stop.set()
+        return False
+
+    engine.step, engine._behind, engine._wake.wait = step, lambda: next(behind, False), wait
+    engine._loop()
+    assert waits == pytest.approx([0.4 * tick] * 3)
+
+
 def test_a_turns_first_audio_leaves_in_the_round_it_is_complete(model, tok) -> None:
     """With 8 frames a tick, the reply's first frame is complete after its second step (delays [0, 1]): its audio
     is queued then, before the tick's later rounds run, not when the tick ends."""
