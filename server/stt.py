@@ -175,7 +175,6 @@ class SttWorkers:
         self.headroom, self.max_streams = headroom, max_streams
         self.pools = [self._pool() for _ in range(workers)]
         self.load = [0] * workers  # open streams per worker
-        self.rtf = 0.0
         self._busy_s = self._audio_s = 0.0
         self._ids = itertools.count()
 
@@ -183,9 +182,12 @@ class SttWorkers:
         """Calibrate a stream's cost, then load the decoders the workers will admit (no model load in a turn)."""
         loop = asyncio.get_running_loop()
         rtfs = await asyncio.gather(*(loop.run_in_executor(p, _calibrate, calibration_pcm) for p in self.pools))
-        self._busy_s, self._audio_s = max(rtfs), 1.0
-        self.rtf = max(rtfs)
+        self._busy_s, self._audio_s = max(rtfs), 1.0  # the slowest worker's second of audio
         await asyncio.gather(*(loop.run_in_executor(p, _preload, self.preload()) for p in self.pools))
+
+    @property
+    def rtf(self) -> float:
+        return self._busy_s / self._audio_s if self._audio_s > 0 else 0.0
 
     def per_worker(self) -> int:
         """Streams one worker transcribes in real time within the headroom (at least one)."""
@@ -215,8 +217,6 @@ class SttWorkers:
     def account(self, busy_s: float, audio_s: float) -> None:
         self._busy_s = DECAY * self._busy_s + busy_s
         self._audio_s = DECAY * self._audio_s + audio_s
-        if self._audio_s > 0:
-            self.rtf = self._busy_s / self._audio_s
 
     def replace(self, worker: int, dead: ProcessPoolExecutor) -> None:
         """A new process for `worker` once its pool broke (once: later failures of the same pool find it replaced)."""
