@@ -26,6 +26,14 @@ from server.stt import AtCapacity, SttWorkers, Transcriber
 STAGES = ["endpoint", "stt_done", "llm_first_token", "phrase_ready", "tts_first_audio", "sent"]
 
 
+def tiny_engines(**text_config) -> tuple[Engine, Engine]:
+    """The cascade's text engine and speech engine, `tiny` and seeded, room for 2 conversations each."""
+    tok = EncodecTokenizer.from_pretrained(seed=0)
+    cfg = EngineConfig(calibration_ticks=0, max_conversations=2, max_reply_frames=75, frames_per_tick=4)
+    speech_engine = Engine(S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0), tok, cfg)
+    return text_engine_for("tiny", 75, 2, calibration_ticks=0, **text_config), speech_engine
+
+
 def test_phrases_and_printable_bytes() -> None:
     assert split_phrase("  abc de", 1) == ("abc", "de")
     assert split_phrase("abc", 1) is None
@@ -36,10 +44,7 @@ def test_phrases_and_printable_bytes() -> None:
 
 @pytest.mark.parametrize("tts", ["espeak", "engine"])
 def test_cascade_answers_a_turn(tts: str) -> None:
-    tok = EncodecTokenizer.from_pretrained(seed=0)
-    cfg = EngineConfig(calibration_ticks=0, max_conversations=2, max_reply_frames=75, frames_per_tick=4)
-    speech_engine = Engine(S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0), tok, cfg)
-    text_engine = text_engine_for("tiny", 75, 2, calibration_ticks=0)
+    text_engine, speech_engine = tiny_engines()
     wav, _ = speech("What is the weather like tomorrow?")
 
     async def run():
@@ -110,10 +115,7 @@ def test_stt_workers_transcribe_as_one_decoder_and_price_streams() -> None:
 def test_cascade_refuses_what_its_stt_cannot_take_and_keeps_serving() -> None:
     """Headroom so small that one stream fills a worker: the second connection is refused with the reason, the
     first still gets its reply."""
-    tok = EncodecTokenizer.from_pretrained(seed=0)
-    cfg = EngineConfig(calibration_ticks=0, max_conversations=4, max_reply_frames=75, frames_per_tick=4)
-    speech_engine = Engine(S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0), tok, cfg)
-    text_engine = text_engine_for("tiny", 75, 4, calibration_ticks=0, admission_headroom=0.01)
+    text_engine, speech_engine = tiny_engines(admission_headroom=0.01)
     wav, _ = speech("What is the weather like tomorrow?")
 
     async def run():
@@ -215,10 +217,7 @@ def test_cascade_server_process_stops_cleanly_on_sigterm() -> None:
 
 
 def test_a_conversation_whose_stt_worker_dies_is_told_and_the_next_is_served() -> None:
-    tok = EncodecTokenizer.from_pretrained(seed=0)
-    cfg = EngineConfig(calibration_ticks=0, max_conversations=2, max_reply_frames=75, frames_per_tick=4)
-    speech_engine = Engine(S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0), tok, cfg)
-    text_engine = text_engine_for("tiny", 75, 2, calibration_ticks=0)
+    text_engine, speech_engine = tiny_engines()
     wav, _ = speech("What is the weather like tomorrow?")
 
     async def run():
