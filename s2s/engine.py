@@ -20,6 +20,7 @@ conversation is fed either audio or codes, not both).
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import math
 import queue
@@ -113,6 +114,16 @@ class EventQueue(queue.Queue):
         super()._put(item)
         if self.on_put is not None:
             self.on_put()
+
+
+@dataclass
+class EngineSnapshot:
+    """The engine's state at one moment, copied under its lock: what readers on other threads (/metrics) see."""
+
+    conversations: int
+    cache: object  # cache.CacheStats
+    stats: EngineStats
+    sessions: list[dict]
 
 
 class Refused(RuntimeError):
@@ -429,6 +440,12 @@ class Engine:
                 }
                 for c in self.convs.values()
             ]
+
+    def snapshot(self) -> EngineSnapshot:
+        with self._lock:
+            stats = copy.copy(self.stats)
+            stats.tick_seconds, stats.phase_seconds = deque(self.stats.tick_seconds), dict(self.stats.phase_seconds)
+            return EngineSnapshot(len(self.convs), self.cache.stats(), stats, self.conversation_stats())
 
     def event_queue(self, cid: str) -> EventQueue:
         return self.events[cid]
