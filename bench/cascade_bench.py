@@ -4,8 +4,9 @@
 
 Every system is a websocket server in its own child process (one at a time), same model size (small preset, seeded):
 - `s2s serve --vad-silence S`: this server, turn mode (Silero endpointing after S of silence) and duplex mode;
-- `s2s serve --cascade`: `server/cascade.py`, the same endpointing (silence_ms=S), pocketsphinx fed while the user
-  speaks, a byte-level text decoder of the same size on this engine, then espeak-ng or this engine's speech decoder.
+- `python -m bench.cascade.serve`: `bench/cascade/`, the same endpointing (silence_ms=S), pocketsphinx fed while
+  the user speaks, a byte-level text decoder of the same size on this engine, then espeak-ng or this engine's speech
+  decoder.
 
 Clients speak espeak-ng sentences in pcm16, 80 ms blocks each sent once its last sample is "spoken" (real time), then
 keep sending silence (a microphone stays on). Turn latency is from the true end of speech (the clip's last sample
@@ -34,6 +35,7 @@ from tqdm import tqdm
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
+from bench.cascade import serve as cascade_serve
 from bench.common import (
     add_device_args,
     device_name,
@@ -49,10 +51,8 @@ from bench.common import (
 from codec.tokenizer import FRAME_SIZE, SAMPLE_RATE
 from s2s import ModelConfig
 from server import protocol
-from server.app import metadata_of
-from server.client import BLOCK
 from server.process import ServerProcess
-from server.protocol import Kind
+from server.protocol import BLOCK, Kind, metadata_of
 from server.speech import synthesize
 from server.vad import Endpointer, VadConfig
 
@@ -200,7 +200,7 @@ async def one_turn(url: str, clip: Clip, system: str, query: str, timeout_s: flo
 
 
 def deadline_misses(url: str) -> int | None:
-    """This server's duplex deadline-miss counter (Prometheus /metrics); None for the cascade."""
+    """This server's duplex deadline-miss counter (Prometheus /metrics)."""
     try:
         body = urllib.request.urlopen(url.replace("ws://", "http://") + "/metrics", timeout=5).read().decode()
     except OSError:
@@ -322,18 +322,18 @@ def main(argv: list[str] | None = None) -> None:
     common = ["--preset", PRESET, "--max-reply-frames", reply_frames, "--max-conversations", 2 * max(levels)]
     common += ["--threads", args.threads] if args.threads else []
     common += device_server_args(args)
-    plan = []  # (server args, [(system, silence ms or None, query)])
+    plan = []  # (server module (None: `s2s serve`), server args, [(system, silence ms or None, query)])
     for s in silences:
         # duplex first: an overloaded turn-mode level teaches the admission cost model slow ticks
         runs = [("duplex", None, "mode=duplex&codec=pcm16&seed=1")] if s == silences[0] else []
         runs += [("turn", s * 1000, "mode=turn&codec=pcm16&seed=1")]
-        plan.append((["--vad-silence", s, *common], runs))
+        plan.append((None, ["--vad-silence", s, *common], runs))
     cascade = [
         (f"cascade-{tts}", s * 1000, f"mode=turn&codec=pcm16&seed=1&tts={tts}&silence_ms={s * 1000:g}")
         for s in silences
         for tts in ("espeak", "engine")
     ]
-    plan.append((["--cascade", *common], cascade))
+    plan.append((cascade_serve.MODULE, common, cascade))
     env = {
         **environment(),
         "quick": args.quick,
@@ -348,9 +348,9 @@ def main(argv: list[str] | None = None) -> None:
         "max_delay": max_delay,
     }
     rows = []
-    with tqdm(total=sum(len(runs) for _, runs in plan) * len(levels), desc="cascade bench", file=sys.stderr) as bar:
-        for server_args, runs in plan:
-            with ServerProcess(*server_args) as url:
+    with tqdm(total=sum(len(runs) for *_, runs in plan) * len(levels), desc="cascade bench", file=sys.stderr) as bar:
+        for module, server_args, runs in plan:
+            with ServerProcess(*server_args, module=module) as url:
                 for system, silence_ms, query in runs:
                     kind = system.split("-")[0]
                     if not args.quick:  # one turn to warm up (first-call costs), not measured
@@ -359,6 +359,8 @@ def main(argv: list[str] | None = None) -> None:
                         misses, t0 = deadline_misses(url), time.perf_counter()
                         results = asyncio.run(run_level(url, kind, query, n, rounds[n], voices, timeout_s, max_delay))
                         after = deadline_misses(url)
+                        if module is not None:  # the cascade's /metrics is its speech engine's: no duplex there
+                            misses = after = None
                         rows.append(
                             {
                                 "workload": "espeak utterances, one turn per connection",
@@ -370,7 +372,7 @@ def main(argv: list[str] | None = None) -> None:
                                 "wall_s": time.perf_counter() - t0,
                                 "deadline_misses": None if None in (misses, after) else after - misses,
                                 "query": query,
-                                "server_args": " ".join(map(str, server_args)),
+                                "server_args": " ".join(map(str, [module or "s2s serve", *server_args])),
                                 **summarize(results),
                             }
                         )

@@ -6,6 +6,7 @@
 # given), so what finished survives a run that is cut short.
 #   bash scripts/gpu_check.sh OUTDIR [TARBALL]     (on the H200 the stages took 46, 22, 32, 24, 203 and about 150 s)
 # Environment: PYTHON (python3), DEVICE (cuda), STAGES (all: kernel-tests graph-tests demo model cascade concurrency).
+# The cascade stage needs the project's `bench` extra (pocketsphinx): pip install -e '.[bench]'.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=$1

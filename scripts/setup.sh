@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up .venv with the project and its dev tools. Idempotent: a second run only checks.
+# Set up .venv with the project, its dev tools and what benchmarks and tests need besides (the `bench` extra).
+# Idempotent: a second run only checks.
 # Without an NVIDIA GPU, torch is the 2.13.0 CPU build that lies on local disk (any other version is a huge download).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,7 @@ if ! $py -c "import torch" 2>/dev/null; then
         $py -m pip install -q torch==2.13.0
     fi
 fi
-$py -m pip install -q -e '.[dev]' 2>&1 | grep -v "^WARNING: Location" || true
+$py -m pip install -q -e '.[dev,bench]' 2>&1 | grep -v "^WARNING: Location" || true
 $py -c "import codec, s2s" # fails loudly if the install did not take
 # Without CUDA, compile the C++ CPU attention kernel now (about a minute, once per .venv), not in the first model step: an engine
 # stalled on the compiler answers nobody, and a test or the demo waiting on it would time out.

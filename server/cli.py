@@ -15,7 +15,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import torch
+
+    from codec import EncodecTokenizer
+    from s2s import Engine
+    from server.app import ChatServer, ServerOptions
 
 
 def _bench_names() -> list[str]:
@@ -75,7 +81,8 @@ def roundtrip(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}")
 
 
-def _placement(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+def placement_of(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    """`--device` and `--dtype` (`add_engine_args`) resolved for this machine."""
     from s2s import placement
 
     try:
@@ -84,15 +91,17 @@ def _placement(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
         raise SystemExit(f"--device/--dtype: {e}") from None
 
 
-def _engine(args: argparse.Namespace):
+def engine_of(args: argparse.Namespace) -> tuple[Engine, EncodecTokenizer]:
+    """The engine `add_engine_args` describes, with the voice prompts of `--prompts`, and its codec."""
     import torch
 
     from codec import EncodecTokenizer
     from s2s import Engine, EngineConfig, ModelConfig, S2SModel
+    from server.prompts import load_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    device, dtype = _placement(args)
+    device, dtype = placement_of(args)
     tok = EncodecTokenizer.from_pretrained(args.codec, bandwidth=args.bandwidth, device=device)
     if args.model:
         model = S2SModel.from_pretrained(args.model, dtype=dtype, device=device)
@@ -109,10 +118,13 @@ def _engine(args: argparse.Namespace):
         jitter_buffer_s=args.jitter_buffer_ms / 1000 if args.jitter_buffer_ms else None,
         cuda_graphs=not args.enforce_eager,
     )
-    return Engine(model, tok, cfg), tok
+    engine = Engine(model, tok, cfg)
+    for name, codes in (load_prompts(args.prompts, tok) if args.prompts else {}).items():
+        engine.add_voice(name, codes)
+    return engine, tok
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=None, help="S2S model folder (default: seeded weights, offline)")
     p.add_argument("--preset", default="small", help="model preset without --model: tiny, small, base, large")
     p.add_argument("--codec", type=Path, default=None, help="Hugging Face EnCodec 24 kHz folder (default: seeded)")
@@ -138,47 +150,46 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-async def _serve(args: argparse.Namespace) -> None:
-    import asyncio
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """What `s2s serve` takes: the engine's options and the server's."""
+    add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8998)
+    p.add_argument("--token", default=None, help="require ?token=... on the websocket")
+    p.add_argument("--allowed-origin", action="append", help="allowed browser origins (repeatable)")
+    p.add_argument("--vad-silence", type=float, default=0.5, help="turn mode: seconds of silence that end a turn")
 
-    from server.app import ChatServer, ServerOptions
-    from server.prompts import load_prompts
+
+def server_options(args: argparse.Namespace) -> ServerOptions:
+    from server.app import ServerOptions
     from server.vad import VadConfig
 
-    engine, tok = _engine(args)
-    if args.prompts:
-        for name, codes in load_prompts(args.prompts, tok).items():
-            engine.add_voice(name, codes)
     vad = VadConfig(silence_s=args.vad_silence)
-    if args.cascade:
-        from server.cascade import CascadeServer, text_engine_for
+    return ServerOptions(args.host, args.port, args.token, args.allowed_origin or [], vad=vad)
 
-        device, dtype = _placement(args)
-        text = text_engine_for(
-            args.preset,
-            args.max_reply_frames,
-            args.max_conversations,
-            device,
-            dtype,
-            cuda_graphs=not args.enforce_eager,
-        )
-        server = CascadeServer(text, engine, args.host, args.port, vad)
-    else:
-        server = ChatServer(engine, ServerOptions(args.host, args.port, args.token, args.allowed_origin or [], vad=vad))
+
+async def serve_until_sigterm(server: ChatServer, note: Callable[[], str] | None = None) -> None:
+    """Start `server`, print `note()` (if any) and the "serving" line `ServerProcess` waits for, serve until
+    SIGTERM, then stop it."""
+    import asyncio
+
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)  # `ServerProcess` stops it so
     port = await server.start()
-    if args.cascade:
-        stt = server.stt
-        print(
-            f"speech-to-text: {len(stt.pools)} worker(s), {stt.rtf:.3f} s of search per second of audio, "
-            f"{stt.per_worker()} streams each"
-        )
-    print(f"serving ws://{args.host}:{port}/api/chat  (http://{args.host}:{port}/healthz, /metrics)", flush=True)
     try:
+        if note is not None:
+            print(note())
+        host = server.options.host
+        print(f"serving ws://{host}:{port}/api/chat  (http://{host}:{port}/healthz, /metrics)", flush=True)
         await stop.wait()
     finally:
         await server.stop()
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from server.app import ChatServer
+
+    await serve_until_sigterm(ChatServer(engine_of(args)[0], server_options(args)))
 
 
 def client(args: argparse.Namespace) -> None:
@@ -204,7 +215,7 @@ async def _demo(args: argparse.Namespace) -> None:
     from server.client import talk
     from server.speech import speech
 
-    engine, tok = _engine(args)
+    engine, tok = engine_of(args)
     engine.cfg.max_reply_frames = 150
     server = ChatServer(engine, ServerOptions(port=0))
     port = await server.start()
@@ -233,10 +244,11 @@ async def _demo(args: argparse.Namespace) -> None:
                 print(f"server error: {e}")
         args.out.parent.mkdir(parents=True, exist_ok=True)
         save_wav(args.out, turn.reply)
-        stats = engine.cache.stats()
+        snapshot = engine.snapshot()
+        stats = snapshot.stats
         print(
-            f"engine: {engine.stats.ticks} ticks, {engine.stats.refused} refused, "
-            f"{engine.stats.deadline_misses} deadline misses; cache hit steps {stats.hit_steps}"
+            f"engine: {stats.ticks} ticks, {stats.refused} refused, "
+            f"{stats.deadline_misses} deadline misses; cache hit steps {snapshot.cache.hit_steps}"
         )
         print(f"wrote the turn-mode reply to {args.out}")
     finally:
@@ -254,13 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     rt.add_argument("--text", default="Hello there. This is a test of the speech codec.", help="what espeak-ng says")
     rt.add_argument("--out", type=Path, default=Path("out/roundtrip.wav"), help="where to write the decoded audio")
     sv = sub.add_parser("serve", help="run the websocket server")
-    _add_engine_args(sv)
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8998)
-    sv.add_argument("--token", default=None, help="require ?token=... on /api/chat")
-    sv.add_argument("--allowed-origin", action="append", help="allowed browser origins (repeatable)")
-    sv.add_argument("--vad-silence", type=float, default=0.5, help="turn mode: seconds of silence that end a turn")
-    sv.add_argument("--cascade", action="store_true", help="serve the STT -> LLM -> TTS cascade (server/cascade.py)")
+    add_server_args(sv)
     cl = sub.add_parser("client", help="stream a WAV file to a server and save the reply")
     cl.add_argument("url", help="ws://host:port")
     cl.add_argument("--wav", type=Path, required=True)
@@ -270,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     cl.add_argument("--speed", type=float, default=1.0, help="x real time")
     cl.add_argument("--listen", type=float, default=3.0, help="seconds to keep listening after the speech")
     dm = sub.add_parser("demo", help="start a server on the offline default and hold a conversation with it")
-    _add_engine_args(dm)
+    add_engine_args(dm)
     dm.add_argument("--out", type=Path, default=Path("out/demo_reply.wav"))
     b = sub.add_parser("bench", help="run a benchmark from bench/ (s2s bench NAME --help)")
     b.add_argument("name", help="one of: " + ", ".join(_bench_names()))

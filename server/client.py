@@ -14,11 +14,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from server import protocol
-from server.app import metadata_of
-from server.protocol import Control, Kind
+from server.protocol import BLOCK, Control, Kind, metadata_of
 
 SAMPLE_RATE = 24000
-BLOCK = 1920  # 80 ms, as Moshi's client sends
 
 
 @dataclass

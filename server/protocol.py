@@ -8,6 +8,7 @@ import struct
 
 PROTOCOL_VERSION = 0
 MODEL_VERSION = 0
+BLOCK = 1920  # samples of 24 kHz audio in one message: 80 ms, as Moshi's client sends
 
 
 class Kind(enum.IntEnum):
@@ -43,6 +44,11 @@ def metadata(data: dict) -> bytes:
     return (
         bytes([Kind.METADATA]) + json.dumps(data, default=lambda o: o.item() if hasattr(o, "item") else str(o)).encode()
     )
+
+
+def metadata_of(message: bytes) -> dict:
+    """Client side: the JSON of a metadata message."""
+    return json.loads(message[1:].decode())
 
 
 def error(message: str) -> bytes:

@@ -1,5 +1,5 @@
-"""server/cascade.py: the cascade answers a turn over the websocket with audio and its per-stage timestamps, and
-refuses a connection its speech-to-text could not transcribe in real time; server/stt.py's worker processes."""
+"""bench/cascade/: the cascade answers a turn over the websocket with audio and its per-stage timestamps, and
+refuses a connection its speech-to-text could not transcribe in real time; bench/cascade/stt.py's worker processes."""
 
 from __future__ import annotations
 
@@ -15,13 +15,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from bench.cascade import serve
+from bench.cascade.server import CascadeServer
+from bench.cascade.stt import AtCapacity, SttWorkers, Transcriber
+from bench.cascade.text import printable, split_phrase, text_engine_for
 from codec import EncodecTokenizer
 from s2s import Engine, EngineConfig, ModelConfig, S2SModel
+from server.app import ServerOptions
 from server.audio import load_wav
-from server.cascade import CascadeServer, printable, split_phrase, text_engine_for
 from server.client import talk
 from server.speech import SAMPLE_PATH, speech
-from server.stt import AtCapacity, SttWorkers, Transcriber
 
 STAGES = ["endpoint", "stt_done", "llm_first_token", "phrase_ready", "tts_first_audio", "sent"]
 
@@ -48,7 +51,7 @@ def test_cascade_answers_a_turn(tts: str) -> None:
     wav, _ = speech("What is the weather like tomorrow?")
 
     async def run():
-        server = CascadeServer(text_engine, speech_engine, port=0, stt_workers=1)
+        server = CascadeServer(text_engine, speech_engine, ServerOptions(port=0), stt_workers=1)
         port = await server.start()
         try:
             return await talk(f"ws://127.0.0.1:{port}", wav, "turn", "pcm16", speed=4, listen_s=30, tts=tts, seed="1")
@@ -119,7 +122,7 @@ def test_cascade_refuses_what_its_stt_cannot_take_and_keeps_serving() -> None:
     wav, _ = speech("What is the weather like tomorrow?")
 
     async def run():
-        server = CascadeServer(text_engine, speech_engine, port=0, stt_workers=1)
+        server = CascadeServer(text_engine, speech_engine, ServerOptions(port=0), stt_workers=1)
         port = await server.start()
         url = f"ws://127.0.0.1:{port}"
         try:  # both at once: admission must not let the second in while the first's engines open
@@ -177,7 +180,7 @@ def test_stt_workers_exit_with_their_server() -> None:
     """A server that dies without shutting its workers down (SIGKILL, or SIGTERM before the handler) leaves none."""
     code = (
         "import os\n"
-        "from server.stt import SttWorkers\n"
+        "from bench.cascade.stt import SttWorkers\n"
         "w = SttWorkers(1, 0.75, 1)\n"
         "print(w.pools[0].submit(os.getpid).result(), flush=True)\n"
         "os._exit(0)\n"
@@ -199,11 +202,11 @@ def _alive(pid: int) -> bool:
 
 
 def test_cascade_server_process_stops_cleanly_on_sigterm() -> None:
-    """`s2s serve --cascade` in a child process (as the bench runs it): SIGTERM stops it through `server.stop()`
-    (exit status 0), and its speech-to-text workers go with it."""
+    """`python -m bench.cascade.serve` in a child process (as the bench runs it): SIGTERM stops it through
+    `server.stop()` (exit status 0), and its speech-to-text workers go with it."""
     from server.process import ServerProcess
 
-    server = ServerProcess("--cascade", "--preset", "tiny", "--threads", "1", "--max-conversations", "2")
+    server = ServerProcess("--preset", "tiny", "--threads", "1", "--max-conversations", "2", module=serve.MODULE)
     with server:
         pid = server.proc.pid
         children = {int(c) for f in Path(f"/proc/{pid}/task").glob("*/children") for c in f.read_text().split()}
@@ -221,7 +224,7 @@ def test_a_conversation_whose_stt_worker_dies_is_told_and_the_next_is_served() -
     wav, _ = speech("What is the weather like tomorrow?")
 
     async def run():
-        server = CascadeServer(text_engine, speech_engine, port=0, stt_workers=1)
+        server = CascadeServer(text_engine, speech_engine, ServerOptions(port=0), stt_workers=1)
         url = f"ws://127.0.0.1:{await server.start()}"
         try:
             doomed = asyncio.create_task(talk(url, wav, "turn", "pcm16", listen_s=30, seed="1"))

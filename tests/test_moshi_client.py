@@ -83,22 +83,24 @@ def test_kyutai_moshi_client_holds_a_duplex_conversation(tmp_path: Path) -> None
             )
             processes.append(client)
             for _ in range(600):  # the client imports torch first: seconds
-                if engine.convs or client.poll() is not None:
+                if engine.snapshot().conversations or client.poll() is not None:
                     break
                 time.sleep(0.05)
-            assert engine.convs, f"the Moshi client never opened a conversation: {client.communicate()[0]}"
+            assert engine.snapshot().conversations, (
+                f"the Moshi client opened no conversation: {client.communicate()[0]}"
+            )
             pulse(env, "paplay", "--device=mic", str(wav))  # what the client's microphone hears, in real time
             time.sleep(1.0)
-            live = engine.conversation_stats()
+            live = engine.snapshot().sessions
             client.terminate()
             output = client.communicate(timeout=20)[0]
             recorder.terminate()
             recorder.wait(10)
             for _ in range(100):  # the client's disconnect reaches the engine a moment later
-                if not engine.convs:
+                if not engine.snapshot().conversations:
                     break
                 time.sleep(0.05)
-        snapshot = next(iter(engine._closed.values()))[0]
+        after = engine.snapshot()
     finally:
         for p in processes:
             if p.poll() is None:
@@ -109,8 +111,8 @@ def test_kyutai_moshi_client_holds_a_duplex_conversation(tmp_path: Path) -> None
     assert "Lost connection" not in output, output
     assert len(live) == 1 and live[0]["mode"] == "duplex", live
     # the server heard the client's microphone for as long as the speech played (Opus at 24 kHz both ways)
-    assert len(snapshot["user"]) >= len(speech) / 320, (len(snapshot["user"]), len(speech) / 320)
-    assert engine.cache.stats().private == 0 and not engine.convs
+    assert live[0]["steps"] >= len(speech) / 320, (live[0]["steps"], len(speech) / 320)
+    assert after.cache.private == 0 and after.conversations == 0
     # and the client played the model's reply: its speaker carried audio, not silence
     played, rate = soundfile.read(heard, dtype="float32")
     assert rate == 24000 and len(played) > 24000, (rate, len(played))

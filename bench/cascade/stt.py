@@ -25,7 +25,14 @@ from multiprocessing.connection import wait
 
 import numpy as np
 import soxr
-from pocketsphinx import Decoder
+
+try:
+    from pocketsphinx import Decoder
+except ImportError as e:
+    raise ImportError(
+        "the cascade's speech-to-text needs pocketsphinx, an extra for benchmarks and tests: "
+        "pip install -e '.[bench]' (scripts/setup.sh installs it)"
+    ) from e
 
 log = logging.getLogger("s2s.stt")
 RATE = 16000

@@ -1,0 +1,218 @@
+"""The connection core: one websocket from request to close, whatever its protocol and whatever answers it.
+
+`serve_connection(ws, endpoint, limits)`, top to bottom:
+
+1. `endpoint.accept(query)` reads the request: the connection's `Wire` (the protocol's framing) and how to open its
+   `Session`. A bad request is told (`endpoint.error`) and closed with 1008.
+2. `wire.handshake()` goes out (Moshi's handshake; a JSON-event protocol has none), then the session opens. A
+   refusal (the engine's admission, the cascade's speech-to-text) is told "refused: REASON" and closed with 1013
+   and the reason.
+3. `wire.opened(session.info)` goes out; the receive loop reads messages, paced, until the client goes: the wire
+   parses each into `Audio` or `EndTurn` (a bad one is told and dropped); audio runs through the session's VAD,
+   if it has one, where speech over a reply is a barge-in with what the client has heard (`Playback`) and silence
+   after speech ends the turn.
+4. However the socket ended, the session closes.
+
+A session sends from tasks of its own through `Connection`: `send_audio` (which `Playback` counts), `send_event`,
+`send_error`. `server/session.py` has the engine's side (the one bridge from engine events to asyncio).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.parse
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+from websockets.asyncio.server import ServerConnection
+from websockets.exceptions import ConnectionClosed
+
+from codec.tokenizer import FRAME_SIZE, SAMPLE_RATE
+from s2s import Refused
+from server.protocol import ProtocolError
+from server.vad import Endpointer, VadConfig
+
+Message = bytes | str
+
+
+@dataclass
+class Audio:
+    pcm: np.ndarray  # float32, 24 kHz
+
+
+@dataclass
+class EndTurn:
+    """The user says they are done speaking (turn mode)."""
+
+
+class Wire(Protocol):
+    """One connection's framing: Moshi's kind bytes (`server/moshi.py`), or JSON events."""
+
+    def handshake(self) -> Message | None: ...
+
+    def opened(self, info: dict) -> Message: ...
+
+    def parse(self, message: Message) -> Audio | EndTurn | None:
+        """What a client message asks for; None for one to ignore. Raises `ProtocolError` (told to the client)."""
+
+    def audio(self, pcm: np.ndarray) -> list[Message]: ...
+
+    def event(self, data: dict) -> Message: ...
+
+    def error(self, text: str) -> Message: ...
+
+
+class Session(Protocol):
+    """What answers a connection: a conversation in the engine (`server/session.py`), or the cascade's pipeline."""
+
+    info: dict  # told to the client once open (`Wire.opened`)
+    vad: VadConfig | None  # endpointing on its audio (turn mode), or None
+
+    async def barge_in(self, played_frames: int) -> None: ...
+
+    def audio(self, pcm: np.ndarray) -> None: ...
+
+    async def end_turn(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+Opener = Callable[["Connection"], Awaitable[Session]]
+
+
+class Endpoint(Protocol):
+    """A protocol on the core, at one path: Moshi's on the engine, Moshi's on the cascade, a JSON-event protocol."""
+
+    def error(self, text: str) -> Message: ...
+
+    def accept(self, query: dict[str, str]) -> tuple[Wire, Opener]:
+        """The request's wire and session, from its query parameters. Raises `ProtocolError` on a bad one."""
+
+
+@dataclass
+class Limits:
+    """Back-pressure on one connection."""
+
+    realtime_burst_s: float = 2.0  # a client may run this far ahead of real time before it is throttled
+    max_messages_per_s: float = 100.0  # beyond this (after a burst of as many), reading pauses: clients send ~12/s
+
+
+class Playback:
+    """What the client has heard of the current reply, to tell the engine at barge-in. The client plays audio in
+    real time from when it arrives; a gap in the stream (a reply that stalls) pauses its playback, and is not heard."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.turn, self.samples, self.until = -1, 0, 0.0  # `until`: when what was sent will have played
+
+    def sent(self, turn: int, samples: int) -> None:
+        now = self.clock()
+        if turn != self.turn:
+            self.turn, self.samples, self.until = turn, 0, now
+        self.samples += samples
+        self.until = max(self.until, now) + samples / SAMPLE_RATE
+
+    def played_frames(self) -> int:
+        """Frames of the current reply the client can have played by now."""
+        queued = max(0.0, self.until - self.clock()) * SAMPLE_RATE
+        return int(max(0.0, self.samples - queued)) // FRAME_SIZE
+
+
+class Connection:
+    """One client's socket as a session sees it: messages out in the wire's framing, and what the client has heard."""
+
+    def __init__(self, ws: ServerConnection, wire: Wire):
+        self.ws, self.wire, self.playback = ws, wire, Playback()
+
+    async def send_audio(self, pcm: np.ndarray, turn: int) -> bool:
+        """Reply audio of `turn`; True once any of it went out (an Opus stream holds its first samples back)."""
+        pcm = np.clip(pcm, -1, 1)
+        self.playback.sent(turn, len(pcm))
+        messages = self.wire.audio(pcm)
+        for message in messages:
+            await self.ws.send(message)
+        return bool(messages)
+
+    async def send_event(self, data: dict) -> None:
+        await self.ws.send(self.wire.event(data))
+
+    async def send_error(self, text: str) -> None:
+        await self.ws.send(self.wire.error(text))
+
+    async def close(self, code: int, reason: str) -> None:
+        await self.ws.close(code, reason.encode()[:123].decode(errors="ignore"))  # a close frame holds 123 bytes
+
+
+class Pace:
+    """Back-pressure: past `burst` units plus `rate` a second, reading pauses until the client is back within
+    bounds (TCP then slows the client down, at no cost to the server). The first time, it is told."""
+
+    def __init__(self, rate: float, burst: float, warning: str):
+        self.rate, self.burst, self.warning = rate, burst, warning
+        self.used, self.started, self.warned = 0.0, time.monotonic(), False
+
+    async def take(self, amount: float, conn: Connection) -> None:
+        self.used += amount
+        ahead = (self.used - self.burst) / self.rate - (time.monotonic() - self.started)
+        if ahead > 0:
+            if not self.warned:
+                self.warned = True
+                await conn.send_error(self.warning)
+            await asyncio.sleep(ahead)
+
+
+async def serve_connection(ws: ServerConnection, endpoint: Endpoint, limits: Limits) -> None:
+    query = {k: v[0] for k, v in urllib.parse.parse_qs(urllib.parse.urlsplit(ws.request.path).query).items()}
+    try:
+        wire, open_session = endpoint.accept(query)
+    except ProtocolError as e:
+        await ws.send(endpoint.error(str(e)))
+        await ws.close(1008, "bad request")
+        return
+    conn = Connection(ws, wire)
+    if (hello := wire.handshake()) is not None:
+        await ws.send(hello)
+    try:
+        session = await open_session(conn)
+    except Refused as e:
+        await conn.send_error(f"refused: {e}")
+        await conn.close(1013, str(e))  # try again later, and why
+        return
+    try:
+        await ws.send(wire.opened(session.info))
+        await _receive(conn, session, limits)
+    except ConnectionClosed:
+        pass
+    finally:  # whatever happened, the session goes (a conversation's pages with it)
+        await session.close()
+
+
+async def _receive(conn: Connection, session: Session, limits: Limits) -> None:
+    audio_pace = Pace(1.0, limits.realtime_burst_s, "sending faster than real time: throttled")
+    rate = limits.max_messages_per_s
+    message_pace = Pace(rate, rate, f"sending more than {rate:g} messages a second: throttled")
+    vad: Endpointer | None = None  # made on the first audio: loading the model costs CPU the engine needs
+    async for message in conn.ws:
+        await message_pace.take(1, conn)
+        try:
+            item = conn.wire.parse(message)
+        except ProtocolError as e:
+            await conn.send_error(str(e))
+            continue
+        if isinstance(item, EndTurn):
+            await session.end_turn()
+        elif isinstance(item, Audio):
+            await audio_pace.take(len(item.pcm) / SAMPLE_RATE, conn)
+            if not len(item.pcm):
+                continue
+            if session.vad is not None and vad is None:
+                vad = await asyncio.to_thread(Endpointer, session.vad)
+            heard = await asyncio.to_thread(vad.push, item.pcm) if vad is not None else []
+            if "speech_start" in heard:  # a barge-in if a reply is playing (a no-op otherwise), before this audio
+                await session.barge_in(conn.playback.played_frames())
+            session.audio(item.pcm)
+            if "end_of_turn" in heard:
+                await session.end_turn()

@@ -1,0 +1,90 @@
+"""The engine's side of a connection: `events`, the one bridge from a conversation's engine events to asyncio, and
+`EngineSession`, a conversation in the engine behind a connection of any protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+from websockets.exceptions import ConnectionClosed
+
+from s2s import AudioEvent, Engine, MetaEvent, SamplingParams
+from server.connection import Connection
+from server.vad import VadConfig
+
+if TYPE_CHECKING:
+    from s2s.engine import CodesEvent, EventQueue
+
+
+async def events(q: EventQueue) -> AsyncIterator[AudioEvent | CodesEvent | MetaEvent]:
+    """A conversation's events until it is closed. The engine thread wakes the reader through `on_put`: no polling,
+    and no thread per read. One reader at a time."""
+    loop, ready = asyncio.get_running_loop(), asyncio.Event()
+
+    def wake() -> None:  # on the engine thread
+        with contextlib.suppress(RuntimeError):  # the loop is closing: nobody is waiting any more
+            loop.call_soon_threadsafe(ready.set)
+
+    q.on_put = wake
+    while True:
+        try:
+            event = q.get_nowait()
+        except queue.Empty:
+            await ready.wait()
+            ready.clear()
+            continue
+        if event is None:
+            return
+        yield event
+
+
+class EngineSession:
+    """A conversation in the engine: the client's audio and turn ends in, its events out to the client."""
+
+    def __init__(self, engine: Engine, cid: str, mode: str, vad: VadConfig, conn: Connection):
+        self.engine, self.cid, self.mode = engine, cid, mode
+        self.info = {"session": cid, "mode": mode}
+        self.vad = vad if mode == "turn" else None
+        self._sender = asyncio.create_task(self._send(conn))
+
+    @classmethod
+    async def open(
+        cls,
+        engine: Engine,
+        conn: Connection,
+        mode: str,
+        voice: str | None,
+        sampling: SamplingParams,
+        vad: VadConfig,
+    ) -> EngineSession:
+        """Open the conversation (or raise `Refused`) and start sending its events."""
+        cid = await asyncio.to_thread(engine.open, mode, prompt=voice, sampling=sampling)
+        return cls(engine, cid, mode, vad, conn)
+
+    async def barge_in(self, played_frames: int) -> None:
+        await asyncio.to_thread(self.engine.interrupt, self.cid, played_frames)
+
+    def audio(self, pcm: np.ndarray) -> None:
+        self.engine.push_audio(self.cid, pcm)
+
+    async def end_turn(self) -> None:
+        if self.mode == "turn":  # a duplex stream has no turns to end
+            await asyncio.to_thread(self.engine.end_turn, self.cid)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.engine.close, self.cid)
+        await asyncio.wait_for(self._sender, 5)
+
+    async def _send(self, conn: Connection) -> None:
+        async for event in events(self.engine.event_queue(self.cid)):
+            try:
+                if isinstance(event, AudioEvent):
+                    await conn.send_audio(event.pcm, event.turn)
+                elif isinstance(event, MetaEvent):
+                    await conn.send_event({"session": event.session, "turn": event.turn, **event.data})
+            except ConnectionClosed:
+                continue  # keep draining until the conversation is closed

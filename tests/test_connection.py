@@ -1,0 +1,170 @@
+"""server/connection.py, the connection core, with a stand-in session (no model): what the client has heard, the
+refusal's close frame, the receive loop, and the one bridge from engine events to asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+
+import numpy as np
+import pytest
+from websockets.asyncio.client import connect
+from websockets.asyncio.server import serve
+from websockets.exceptions import ConnectionClosed
+
+from s2s import MetaEvent, Refused
+from s2s.engine import EventQueue
+from server import protocol
+from server.connection import Connection, Limits, Playback, serve_connection
+from server.moshi import MoshiWire
+from server.protocol import Control, Kind, ProtocolError
+from server.session import events
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_playback_does_not_count_a_stalled_reply_as_heard() -> None:
+    clock = Clock()
+    playback = Playback(clock)
+    assert playback.played_frames() == 0
+    playback.sent(0, 10 * 320)
+    clock.now += 2.0  # the reply stalls: the client played its 10 frames, then heard nothing
+    playback.sent(0, 20 * 320)
+    assert playback.played_frames() == 10  # not 30: the stall was not playback
+    clock.now += 0.1
+    assert playback.played_frames() == 17  # 7.5 more frames of real time
+    clock.now += 10
+    assert playback.played_frames() == 30  # never more than was sent
+    playback.sent(1, 320)  # the next reply counts from its own start
+    assert playback.played_frames() == 0
+    clock.now += 1
+    assert playback.played_frames() == 1
+
+
+class Recorder:
+    """A session that keeps what the core asked of it."""
+
+    def __init__(self):
+        self.info, self.vad = {"session": "r0", "mode": "turn"}, None
+        self.pcm: list[np.ndarray] = []
+        self.calls: list[str] = []
+
+    async def barge_in(self, played_frames: int) -> None:
+        self.calls.append("barge_in")
+
+    def audio(self, pcm: np.ndarray) -> None:
+        self.pcm.append(pcm)
+
+    async def end_turn(self) -> None:
+        self.calls.append("end_turn")
+
+    async def close(self) -> None:
+        self.calls.append("close")
+
+
+class StandIn:
+    """Moshi's wire; a session that records, or a refusal."""
+
+    def __init__(self, refuse: str | None = None):
+        self.refuse, self.session = refuse, Recorder()
+
+    def error(self, text: str) -> bytes:
+        return protocol.error(text)
+
+    def accept(self, query: dict[str, str]):
+        if "bad" in query:
+            raise ProtocolError("bad is not a parameter")
+
+        async def open_session(conn: Connection) -> Recorder:
+            if self.refuse:
+                raise Refused(self.refuse)
+            return self.session
+
+        return MoshiWire(query.get("codec", "pcm16")), open_session
+
+
+async def with_core(endpoint: StandIn, client) -> None:
+    async with serve(lambda ws: serve_connection(ws, endpoint, Limits()), "127.0.0.1", 0) as server:
+        await client(f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+
+
+def test_a_refusal_closes_1013_with_its_reason_and_a_bad_request_1008() -> None:
+    reason = "no K/V memory for another conversation"
+
+    async def client(url: str) -> None:
+        async with connect(url) as ws:
+            assert (await ws.recv())[0] == Kind.HANDSHAKE
+            message = await ws.recv()
+            assert message == protocol.error(f"refused: {reason}")
+            with pytest.raises(ConnectionClosed):
+                await ws.recv()
+        assert (ws.close_code, ws.close_reason) == (1013, reason)
+        async with connect(f"{url}/?bad=1") as ws:
+            assert await ws.recv() == protocol.error("bad is not a parameter")
+            with pytest.raises(ConnectionClosed):
+                await ws.recv()
+        assert ws.close_code == 1008
+
+    asyncio.run(with_core(StandIn(refuse=reason), client))
+
+
+def test_the_receive_loop_feeds_the_session_tells_bad_messages_and_closes_it_once() -> None:
+    endpoint = StandIn()
+    pcm = (np.linspace(-0.5, 0.5, 1920) * 32767).astype("<i2")
+
+    async def client(url: str) -> None:
+        async with connect(f"{url}/?codec=pcm16") as ws:
+            assert (await ws.recv())[0] == Kind.HANDSHAKE
+            assert protocol.metadata_of(await ws.recv()) == {"session": "r0", "mode": "turn", "codec": "pcm16"}
+            await ws.send(protocol.audio(pcm.tobytes()))
+            await ws.send(protocol.audio(b"\x00\x01\x02"))  # odd length: not PCM16
+            assert await ws.recv() == protocol.error("audio payload is not valid PCM16")
+            await ws.send(protocol.control(Control.END_TURN))
+            await ws.send(bytes([Kind.PING]))  # ignored
+            await ws.send(protocol.audio(pcm.tobytes()))
+        for _ in range(100):  # the server sees the close a moment after the client
+            if "close" in endpoint.session.calls:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(with_core(endpoint, client))
+    assert endpoint.session.calls == ["end_turn", "close"]
+    assert [len(p) for p in endpoint.session.pcm] == [1920, 1920]
+    np.testing.assert_allclose(endpoint.session.pcm[0], pcm / 32768.0)
+
+
+class NoThreads(concurrent.futures.ThreadPoolExecutor):
+    def submit(self, fn, /, *args, **kwargs):
+        raise AssertionError("the bridge must not read in a thread")
+
+
+def test_events_wake_the_reader_from_the_engine_thread_without_a_thread_per_read() -> None:
+    q = EventQueue()
+    sent = [MetaEvent("s0", 0, {"n": i}) for i in range(50)]
+
+    def engine_thread() -> None:
+        for event in sent:
+            q.put(event)
+        q.put(None)  # the conversation closed
+
+    async def main() -> list:
+        asyncio.get_running_loop().set_default_executor(NoThreads())
+        reader = asyncio.create_task(collect())
+        await asyncio.sleep(0)  # the reader waits on an empty queue before the engine thread puts anything
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        got = await asyncio.wait_for(reader, 10)
+        thread.join()
+        return got
+
+    async def collect() -> list:
+        return [event async for event in events(q)]
+
+    assert asyncio.run(main()) == sent
