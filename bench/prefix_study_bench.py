@@ -11,7 +11,7 @@ the 1.5 kbps codes the engine runs on (the run checks it). For each pair of enco
 frames, per codebook and for whole frames (a step token needs every codebook equal); the fraction of frames equal
 position by position (over the shorter take), beside chance (the collision rate of the two code histograms, what
 unrelated frames would give). The radix part builds each take's prefix key as the engine does for a turn-mode user
-turn (`Conversation`: user codes under the delay pattern, model stream silent), inserts one key into a `RadixCache`
+turn (`Session`: user codes under the delay pattern, model stream silent), inserts one key into a `RadixCache`
 (pages of 16 steps) and matches the other. Without `--codec` the codec has seeded random weights: its codes are not
 the real EnCodec's.
 """
@@ -34,7 +34,7 @@ from bench.common import RESULTS_DIR, environment, parser, print_table, save_out
 from cache import PagePool, RadixCache
 from codec import EncodecTokenizer
 from s2s import ModelConfig, SamplingParams
-from s2s.conversation import Conversation
+from s2s.session import Session
 from server.speech import synthesize
 
 SENTENCE = "Could you book a table for two at the Italian place near the station tonight?"
@@ -112,7 +112,7 @@ def chance_equal(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
 
 def turn_key(codes: np.ndarray, cfg: ModelConfig, prompt: np.ndarray | None = None) -> np.ndarray:
     """The engine's prefix key for a turn-mode user turn `[K, F]`, after an optional voice prompt `[K, P]`."""
-    conv = Conversation("study", "turn", cfg, SamplingParams(), row=0, now=0.0)
+    conv = Session("study", "turn", cfg, SamplingParams(), row=0, now=0.0)
     if prompt is not None:
         conv.set_prompt(prompt)
     conv.add_user_frames(codes)

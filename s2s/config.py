@@ -1,4 +1,4 @@
-"""ModelConfig: the S2S model's shape, read from and written to `config.json`.
+"""ModelConfig: the S2S model's shape, read from and written to `config.json`; EngineConfig: how it is served.
 
 Backbone fields carry `transformers.LlamaConfig`'s names, so `to_llama_config()` builds the matching LlamaModel.
 Token ids per codebook: codes `0 .. codebook_size - 1`, then three reserved ids: `pad_id` (before a stream starts,
@@ -12,7 +12,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import torch
 from transformers import LlamaConfig
+
+FRAME_S = 320 / 24000  # one codec frame: 13.3 ms at 24 kHz
 
 _PRESETS = {
     # name: hidden, layers, heads, kv heads, head dim, intermediate
@@ -79,6 +83,15 @@ class ModelConfig:
         """Codes in one step token: every codebook of the user stream, then of the model stream."""
         return 2 * self.num_codebooks
 
+    def checked_codes(self, codes: np.ndarray | torch.Tensor, what: str) -> np.ndarray:
+        """`codes` as int64 `[K, n >= 1]` with every id a real code, or a ValueError saying what is wrong."""
+        codes = np.asarray(torch.as_tensor(codes).cpu(), dtype=np.int64)
+        if codes.ndim != 2 or codes.shape[0] != self.num_codebooks or codes.shape[1] == 0:
+            raise ValueError(f"{what} must be [K={self.num_codebooks}, n >= 1], got {codes.shape}")
+        if codes.min() < 0 or codes.max() >= self.codebook_size:
+            raise ValueError(f"{what} must lie in [0, {self.codebook_size})")
+        return codes
+
     @classmethod
     def preset(cls, name: str, num_codebooks: int = 2, **overrides) -> ModelConfig:
         if name not in _PRESETS:
@@ -128,3 +141,32 @@ class ModelConfig:
         if unknown:
             raise ValueError(f"{path}: unknown ModelConfig fields {unknown}")
         return cls(**data)
+
+
+@dataclass
+class EngineConfig:
+    cache_mode: str = "radix"
+    page_size: int = 16
+    kv_budget_bytes: int | None = None
+    num_pages: int | None = 4096  # used when kv_budget_bytes is None
+    max_conversations: int = 32
+    max_context: int = 4096  # steps; naive mode reserves this much per conversation
+    frames_per_tick: int = 1  # duplex steps per conversation per tick: the codec works on chunks this long
+    prefill_budget: int = 256  # prefill steps per tick, all conversations together
+    background_budget: int = 16  # of those, for work nobody waits on, in a tick someone waits on (`Scheduler`)
+    jitter_buffer_s: float | None = None  # default: 80 ms (clients send 80 ms blocks) + one tick
+    max_reply_frames: int = 750
+    session_ttl_s: float = 300.0  # a closed conversation can be resumed by id this long
+    admission_headroom: float = 0.75  # admit while the predicted tick time stays under this share of tick_s
+    calibration_ticks: int = 16  # ticks run at start on 1, 2 and 4 silent duplex conversations to seed the cost model
+    cuda_graphs: bool = True  # on a GPU, replay single-step rounds from CUDA graphs (vLLM's default; off: eager)
+
+    def __post_init__(self) -> None:
+        if self.frames_per_tick < 1:
+            raise ValueError(f"frames_per_tick must be >= 1, got {self.frames_per_tick}")
+        if self.jitter_buffer_s is None:
+            self.jitter_buffer_s = 0.08 + self.tick_s
+
+    @property
+    def tick_s(self) -> float:
+        return self.frames_per_tick * FRAME_S

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -19,6 +21,8 @@ class CostModel:
     `pin()` keeps the samples so far (the engine's calibration over several batch sizes) in every later fit: a
     window of service ticks often holds one batch size, whose rounds and steps move together, and could not tell a
     round's cost from a step's on its own.
+
+    The engine thread observes; admission predicts from callers' threads: a lock keeps the two apart.
     """
 
     def __init__(self, window: int = 400):
@@ -26,29 +30,40 @@ class CostModel:
         self.pinned: list[tuple[int, int, int, float]] = []
         self._coef: np.ndarray | None = None
         self._dirty = False
+        self._lock = threading.Lock()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.samples.clear()
+            self.pinned, self._coef, self._dirty = [], None, False
 
     def pin(self) -> None:
-        self.pinned += self.samples
-        self.samples.clear()
+        with self._lock:
+            self.pinned += self.samples
+            self.samples.clear()
 
     def forget_after(self, count: int) -> None:
         """Drop the samples observed since there were `count` (warm-up ticks: first calls at a new shape)."""
-        while len(self.samples) > count:
-            self.samples.pop()
-        self._dirty = True
+        with self._lock:
+            while len(self.samples) > count:
+                self.samples.pop()
+            self._dirty = True
 
     def observe(self, rounds: int, decode_steps: int, prefill_steps: int, seconds: float) -> None:
         if decode_steps or prefill_steps:
-            self.samples.append((rounds, decode_steps, prefill_steps, seconds))
-            self._dirty = True
+            with self._lock:
+                self.samples.append((rounds, decode_steps, prefill_steps, seconds))
+                self._dirty = True
 
     def predict(self, rounds: int, decode_steps: int, prefill_steps: int = 0) -> float | None:
         """Predicted seconds of a tick, or None before there is data to say."""
-        if self._dirty:
-            self._fit()
-        if self._coef is None:
+        with self._lock:
+            if self._dirty:
+                self._fit()
+            coef = self._coef
+        if coef is None:
             return None
-        return float(self._coef @ np.array([1.0, rounds, decode_steps, prefill_steps]))
+        return float(coef @ np.array([1.0, rounds, decode_steps, prefill_steps]))
 
     def _fit(self) -> None:
         self._dirty = False
@@ -75,13 +90,27 @@ class EngineStats:
     busy_seconds: float = 0.0  # all ticks' time: its rate over a window is the engine's real-time factor
     prefill_steps: int = 0  # steps computed other than as a sampled decode step (what a prefix cache saves)
     copied_steps: int = 0  # steps whose K/V were copied from a page others hold instead of computed (copy-on-write)
-    tick_seconds: deque = field(default_factory=lambda: deque(maxlen=10000))  # the last ticks only: see busy_seconds
+    tick_seconds: deque = field(default_factory=lambda: deque(maxlen=1000))  # the last ticks only: see busy_seconds
     # where tick time goes: the codec's encoder and decoder, scheduling, the model (forward and sampling); the
     # rest of busy_seconds is bookkeeping (replies starting and ending, prefix re-matching)
     phase_seconds: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(("encode", "schedule", "model", "decode"), 0.0)
     )
     last: dict = field(default_factory=dict)
+
+    def clear(self) -> None:
+        """Back to zero, in place (the engine's parts share this object)."""
+        self.__dict__.update(EngineStats().__dict__)
+
+    def copy(self) -> EngineStats:
+        """A copy another thread can read while this one goes on counting."""
+        out = copy.copy(self)
+        out.tick_seconds, out.phase_seconds, out.last = (
+            deque(self.tick_seconds),
+            dict(self.phase_seconds),
+            dict(self.last),
+        )
+        return out
 
     def record_tick(self, seconds: float, decode_steps: int, prefill_steps: int, conversations: int, cache) -> None:
         self.ticks += 1

@@ -1,36 +1,48 @@
-"""Scheduler: what each tick's single batched forward computes.
+"""Scheduler: what each round's single batched forward computes, whose pages go when the pool runs short, whom
+the engine admits, and the one deadline every duplex frame is held to.
 
-Every conversation whose next step is known and leads to a sampled frame decodes one step (duplex steps and turn
-replies: these are the deadlines, and admission control keeps them affordable). Prefill (voice prompts, a turn's user
-frames) shares a per-tick step budget. Urgent prefill goes first, longest waiting first: a turn whose user has
-stopped speaking (its time to first audio is running) and a duplex stream already live (its frame deadlines are).
-The rest is background (a prompt or a turn's speech computed while the user still talks, which the speech hides):
-most cached steps first, with aging so that a cold conversation is not starved by a stream of warm ones (sglang
+Every session whose next step is known and leads to a sampled frame decodes one step (duplex steps and turn replies:
+these are the deadlines, and admission keeps them affordable), earliest deadline first. Prefill (voice prompts, a
+turn's user frames) shares a per-tick step budget. Urgent prefill goes first, longest waiting first: a turn whose
+user has stopped speaking (its time to first audio is running) and a duplex stream already live (its frame deadlines
+are). The rest is background (a prompt or a turn's speech computed while the user still talks, which the speech
+hides): most cached steps first, with aging so that a cold session is not starved by a stream of warm ones (sglang
 #31954). In a tick someone waits on (urgent prefill, or a turn's reply before its first audio has left), background
 prefill gets at most `background_budget` steps: that tick's length is someone's time to first audio, and work the
 speech hides can wait one tick (vLLM caps long prefills per step for the same reason, `long_prefill_token_threshold`).
-Where the cache shares prefixes (`page_size` given), of the conversations about to compute the same next page on the
-same cached prefix only the first goes this tick: the others take its pages from the cache next tick instead of
-computing them again (SGLang's in-batch prefix caching).
+Where the cache shares prefixes (`page_size` given), of the sessions about to compute the same next page on the same
+cached prefix only the first goes this tick: the others take its pages from the cache next tick instead of computing
+them again (SGLang's in-batch prefix caching).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from s2s.conversation import Conversation, Phase
+from s2s.config import FRAME_S
+from s2s.metrics import CostModel
+from s2s.session import Phase, Session
 
 AGING_STEPS_PER_S = 2000.0  # a second of waiting counts like this many cached steps
 
 
 @dataclass
 class Work:
-    conv: Conversation
+    session: Session
     tokens: np.ndarray  # [n, 2K] step tokens to compute
     decode: bool  # one step whose logits are sampled (a frame deadline depends on it)
+
+
+def frame_deadline(s: Session, frame: int, jitter_buffer_s: float) -> float:
+    """When model frame `frame` must be sent: its user frame's arrival time, one frame later, plus the jitter buffer
+    (duplex; inf before the first user frame)."""
+    if s.first_frame_at is None:
+        return math.inf
+    return s.first_frame_at + (frame - s.prompt_frames + 1) * FRAME_S + jitter_buffer_s
 
 
 class Scheduler:
@@ -42,67 +54,125 @@ class Scheduler:
         self.prefill_budget, self.background_budget, self.page_size = prefill_budget, background_budget, page_size
         self._waiting_since: dict[str, float] = {}
 
-    def pick(
-        self, convs: list[Conversation], now: float, deadline: Callable[[Conversation], float], prefill: bool = True
-    ) -> list[Work]:
+    @staticmethod
+    def deadline(s: Session) -> float:
+        """The deadline of the first frame the session's next step completes, less the jitter buffer (the same for
+        every session: it does not change the order)."""
+        return frame_deadline(s, s.computed + 1 - int(s.delays.max()), 0.0)
+
+    def pick(self, sessions: Sequence[Session], now: float, prefill: bool = True) -> list[Work]:
         """This round's work; `prefill=False` for the extra rounds of a multi-frame tick (decode steps only)."""
         decode, waiting = [], []
-        for conv in convs:
-            if conv.dormant:  # preempted while idle: nothing to compute until its user speaks again
-                self._waiting_since.pop(conv.id, None)
+        for s in sessions:
+            if s.dormant:  # preempted while idle: nothing to compute until its user speaks again
+                self._waiting_since.pop(s.id, None)
                 continue
-            tokens = conv.ready_steps(self.prefill_budget if prefill else 2)
+            tokens = s.ready_steps(self.prefill_budget if prefill else 2)
             if not len(tokens):
-                self._waiting_since.pop(conv.id, None)
+                self._waiting_since.pop(s.id, None)
                 continue
-            if len(tokens) == 1 and conv.wanted_after(1):
-                decode.append(Work(conv, tokens, True))
+            if len(tokens) == 1 and s.wanted_after(1):
+                decode.append(Work(s, tokens, True))
             elif prefill:
-                waiting.append((conv, tokens))
-        decode.sort(key=lambda w: deadline(w.conv))
+                waiting.append((s, tokens))
+        decode.sort(key=lambda w: self.deadline(w.session))
         work = list(decode)
-        for conv, _ in waiting:
-            self._waiting_since.setdefault(conv.id, now)
+        for s, _ in waiting:
+            self._waiting_since.setdefault(s.id, now)
 
-        def order(ct: tuple[Conversation, np.ndarray]) -> tuple[bool, float]:
-            conv, waited = ct[0], now - self._waiting_since[ct[0].id]
-            if urgent(conv):
+        def order(st: tuple[Session, np.ndarray]) -> tuple[bool, float]:
+            s, waited = st[0], now - self._waiting_since[st[0].id]
+            if urgent(s):
                 return False, -waited
-            return True, -(conv.computed + AGING_STEPS_PER_S * waited)
+            return True, -(s.computed + AGING_STEPS_PER_S * waited)
 
         waiting.sort(key=order)
-        waited_on = any(urgent(c) for c, _ in waiting) or any(first_audio_due(w.conv) for w in decode)
+        waited_on = any(urgent(s) for s, _ in waiting) or any(first_audio_due(w.session) for w in decode)
         budget = self.prefill_budget
         leaders: set[tuple] = set()
-        for conv, tokens in waiting:
-            if waited_on and not urgent(conv):  # the urgent work is all taken (it sorts first)
+        for s, tokens in waiting:
+            if waited_on and not urgent(s):  # the urgent work is all taken (it sorts first)
                 budget, waited_on = min(budget, self.background_budget), False
             if budget <= 0:
                 break
-            if self.page_size is not None and len(tokens) > self.page_size:  # as `Engine._rematch` requires
+            if self.page_size is not None and len(tokens) > self.page_size:  # as `KVManager.rematch` requires
                 shared = (
-                    conv.computed,
-                    tuple(conv.pages[: conv.computed // self.page_size]),
+                    s.computed,
+                    tuple(s.pages[: s.computed // self.page_size]),
                     tokens[: self.page_size].tobytes(),
                 )
                 if shared in leaders:
-                    continue  # another conversation computes this page now; this one re-matches it next tick
+                    continue  # another session computes this page now; this one re-matches it next tick
                 leaders.add(shared)
             take = tokens[:budget]
             budget -= len(take)
-            work.append(Work(conv, take, False))
+            work.append(Work(s, take, False))
             if len(take) == len(tokens):
-                self._waiting_since.pop(conv.id, None)
+                self._waiting_since.pop(s.id, None)
         return work
 
+    @staticmethod
+    def victim(s: Session, sessions: Sequence[Session], busy: set[str]) -> Session | None:
+        """Whose pages `s` may take when the pool runs short (`sessions` in the order they opened); None: it waits.
+        Pages held only through a cache lock count too: unlocked, they become evictable.
 
-def urgent(conv: Conversation) -> bool:
-    """Someone is waiting on this conversation's prefill: a turn that is to be answered, or a live duplex stream."""
-    if conv.mode == "duplex":
-        return conv.first_frame_at is not None
-    return conv.phase is Phase.REPLY
+        First a listener between turns (its last turn answered, nothing to compute), least recently active first:
+        nothing needs its K/V soon. A user mid-utterance with nothing to compute until their next 80 ms block would
+        recompute the whole conversation before their answer, so only a session someone is waiting on (its reply,
+        or a live duplex stream: `urgent`) takes theirs; the recompute then partly hides behind the rest of their
+        speech. Otherwise vLLM's order, first come first served: the one opened last, if it opened after `s` (one
+        with no pages too: one preempted earlier whose user now speaks). The one opened last never preempts itself:
+        every older session that needs its pages takes them, and it would only compute them again into the same
+        short pool the next tick."""
+        others = [o for o in sessions if o.pages and o is not s]
+        listening = [
+            o
+            for o in others
+            if o.id not in busy and o.mode == "turn" and o.phase is Phase.LISTEN and o.step_token(o.computed) is None
+        ]
+        between = [o for o in listening if o.answered()]
+        if between or (listening and urgent(s)):
+            return min(between or listening, key=lambda o: o.last_active)
+        order = {o.id: i for i, o in enumerate(sessions)}
+        newest = max(others, key=lambda o: order[o.id], default=None)
+        return newest if newest is not None and order[newest.id] > order[s.id] else None
 
 
-def first_audio_due(conv: Conversation) -> bool:
+class Admission:
+    """Whether another session fits: a free row, and a predicted tick within `headroom` of the frame budget.
+
+    Every session counts as a real-time stream: a turn-mode one replies one step per frame, like duplex, and all of
+    them may reply at once (counting only duplex let 16 turn sessions starve together). An idle engine always admits
+    one: nothing else would ever correct a pessimistic cost model."""
+
+    def __init__(self, cost: CostModel, max_sessions: int, frames_per_tick: int, headroom: float):
+        self.cost, self.max_sessions = cost, max_sessions
+        self.frames_per_tick, self.headroom = frames_per_tick, headroom
+
+    def problem(self, sessions: int) -> str | None:
+        """Why a session cannot be admitted beside `sessions` others, or None."""
+        if sessions >= self.max_sessions:
+            return f"the engine holds its maximum of {self.max_sessions} conversations"
+        if not sessions:
+            return None
+        streams = sessions + 1
+        predicted = self.cost.predict(self.frames_per_tick, streams * self.frames_per_tick)
+        budget = self.frames_per_tick * FRAME_S * self.headroom
+        if predicted is not None and predicted > budget:
+            return (
+                f"admitting another conversation would make a tick take {predicted * 1000:.1f} ms, over "
+                f"the {budget * 1000:.1f} ms budget: admitted conversations would miss their frame deadlines"
+            )
+        return None
+
+
+def urgent(s: Session) -> bool:
+    """Someone is waiting on this session's prefill: a turn that is to be answered, or a live duplex stream."""
+    if s.mode == "duplex":
+        return s.first_frame_at is not None
+    return s.phase is Phase.REPLY
+
+
+def first_audio_due(s: Session) -> bool:
     """A turn's reply is computing towards its first audio: the user is waiting for it."""
-    return conv.mode == "turn" and conv.phase is Phase.REPLY and conv.emitted == conv.turns[-1].reply_start
+    return s.mode == "turn" and s.phase is Phase.REPLY and s.emitted == s.turns[-1].reply_start

@@ -1,99 +1,103 @@
-"""cache/: one random multi-turn workload through every mode: matched prefixes hold the K/V the conversation would
-have computed itself, and radix reuses more than exact (the steps of partly matching pages, which it copies),
-which reuses more than paged and naive (none)."""
+"""cache/ through the engine's KVManager: one random multi-turn workload in every mode. Matched prefixes hold the K/V
+the session would have computed itself, and radix reuses more than exact (the steps of partly matching pages, which
+it copies), which reuses more than paged and naive (none)."""
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
 from kv_values import step_values
 
-from cache import MODES, OutOfPages, PagePool, make_cache
+from cache import MODES, OutOfPages, PagePool
+from s2s.config import ModelConfig
+from s2s.kv_manager import KVManager
+from s2s.metrics import EngineStats
+from s2s.sampling import SamplingParams
+from s2s.scheduler import Work
+from s2s.session import Session
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 4, 4
 MAX_STEPS = 160
+CFG = ModelConfig.preset("tiny", num_codebooks=2)
 
 
-def workload(seed: int = 0) -> list[list[np.ndarray]]:
-    """Conversations as lists of turns (the key after each turn); they share one of three prompts, some of which
-    share a prefix, and some conversations repeat an earlier one's first turn."""
+def workload(seed: int = 0) -> list[tuple[np.ndarray, list[np.ndarray]]]:
+    """Sessions as (voice prompt, the user's turns), codes `[K, n]`; they share one of three prompts, some of which
+    share a prefix, and some sessions repeat an earlier one's first turn."""
     rng = np.random.default_rng(seed)
-    prompts = [rng.integers(0, 3, size=(40, 4))]
-    prompts.append(np.concatenate([prompts[0][:21], rng.integers(0, 3, size=(30, 4))]))
-    prompts.append(rng.integers(0, 3, size=(37, 4)))
-    convs = []
+
+    def codes(n: int) -> np.ndarray:
+        return rng.integers(0, 3, size=(2, n))
+
+    prompts = [codes(40)]
+    prompts.append(np.concatenate([prompts[0][:, :21], codes(30)], axis=1))
+    prompts.append(codes(37))
+    sessions = []
     for i in range(30):
-        key = prompts[rng.integers(0, 3)]
+        prompt = prompts[rng.integers(0, 3)]
+        turns = [codes(int(rng.integers(1, 30))) for _ in range(rng.integers(1, 4))]
         if i > 3 and rng.random() < 0.3:
-            key = convs[rng.integers(0, i)][0]
-        turns = [np.concatenate([key, rng.integers(0, 3, size=(rng.integers(0, 30), 4))])]
-        for _ in range(rng.integers(0, 3)):
-            turns.append(np.concatenate([turns[-1], rng.integers(0, 3, size=(rng.integers(1, 30), 4))]))
-        convs.append(turns)
-    return convs
+            prompt, first = sessions[rng.integers(0, i)]
+            turns[0] = first[0]
+        sessions.append((prompt, turns))
+    return sessions
+
+
+def compute(kv: KVManager, s: Session, open_sessions: list[Session]) -> None:
+    """What the engine's forward does to the pool: every known step's K/V into the session's pages, then insert.
+    Short of pages, the oldest open session is preempted (and, here, done with)."""
+    tokens = s.ready_steps(MAX_STEPS)
+    oldest = lambda s, busy: next((o for o in open_sessions if o is not s and o.pages), None)  # noqa: E731
+    (work,) = kv.reserve([Work(s, tokens, False)], oldest)
+    open_sessions[:] = [o for o in open_sessions if o.pages or o is s]
+    values = step_values(s.key(s.computed + len(work.tokens)))
+    for t in range(s.computed, s.computed + len(work.tokens)):
+        page, slot = s.pages[t // PAGE], t % PAGE
+        for layer in range(LAYERS):
+            kv.pool.k[layer][page, slot] = values[t] + layer
+            kv.pool.v[layer][page, slot] = -values[t] - layer
+    s.computed += len(work.tokens)
+    kv.insert(s, lock=True)
+    kv.cache.check()
+
+
+def close(kv: KVManager, s: Session) -> None:
+    kv.insert(s, lock=False)
+    kv.detach(s)
 
 
 def run(mode: str, usable: int):
-    """Serve the workload with up to 4 conversations open at once; when pages run out, the oldest open conversation
-    is closed first (the engine would queue). Returns the cache's stats."""
+    """Serve the workload with up to 4 sessions open at once; returns the cache's stats."""
     pool = PagePool(LAYERS, HEADS, DIM, page_size=PAGE, num_pages=usable + 1)
-    c = make_cache(mode, pool)
-    open_convs = []
-
-    def close(conv):
-        c.release(conv["own"])
-        c.unlock(conv["handle"])
-
-    for turns in workload():
-        if len(open_convs) == 4:
-            close(open_convs.pop(0))
-        key = turns[0]
-        m = c.match(key)
-        c.lock(m.handle)
-        if m.partial:
-            c.hold([m.partial[0]])  # as the engine does: kept alive while alloc evicts, until copied
-        need = max(c.pages_on_open(MAX_STEPS), math.ceil(len(turns[-1]) / PAGE)) - len(m.pages)
+    kv = KVManager(pool, mode, MAX_STEPS, EngineStats())
+    open_sessions: list[Session] = []
+    for i, (prompt, turns) in enumerate(workload()):
+        if len(open_sessions) == 4:
+            close(kv, open_sessions.pop(0))
+        s = Session(f"s{i}", "turn", CFG, SamplingParams(seed=0), row=0, now=0.0)
+        s.set_prompt(prompt)
         while True:
             try:
-                own = c.alloc(need)
+                kv.attach(s)  # naive reserves its pages here
                 break
             except OutOfPages:
-                close(open_convs.pop(0))
-        done = m.cached_steps
-        if m.partial:  # the engine's copy-on-write of a partly matching page
-            pool.copy_steps(m.partial[0], own[0], m.partial[1])
-            c.release([m.partial[0]])
-            c.record_hits(m.partial[1], m.partial[1])
-            done += m.partial[1]
-        conv = {"own": own, "table": m.pages + own, "handle": m.handle}
-        values = step_values(key)
-        for t in range(done):
-            page, slot = conv["table"][t // PAGE], t % PAGE
+                close(kv, open_sessions.pop(0))
+        values = step_values(s.key(s.computed))
+        for t in range(s.computed):  # what the cache gave back is what the session would have computed
+            page, slot = s.pages[t // PAGE], t % PAGE
             for layer in range(LAYERS):
                 assert (pool.k[layer][page, slot] == values[t] + layer).all(), (mode, t)
                 assert (pool.v[layer][page, slot] == -values[t] - layer).all(), (mode, t)
-        for key in turns:
-            values = step_values(key)
-            for t in range(done, len(key)):
-                page, slot = conv["table"][t // PAGE], t % PAGE
-                for layer in range(LAYERS):
-                    pool.k[layer][page, slot] = values[t] + layer
-                    pool.v[layer][page, slot] = -values[t] - layer
-            done = len(key)
-            h = c.insert(key, conv["table"])
-            c.lock(h)
-            c.unlock(conv["handle"])
-            conv["handle"] = h
-            c.check()
-        open_convs.append(conv)
-    for conv in open_convs:
-        close(conv)
-    c.check()
-    s = c.stats()
-    assert s.evicted_live_pages == 0 and s.private == 0 and s.cached_locked == 0
-    return s
+        open_sessions.append(s)
+        for turn in turns:
+            s.add_user_frames(turn)
+            compute(kv, s, open_sessions)
+    for s in open_sessions:
+        close(kv, s)
+    kv.cache.check()
+    stats = kv.cache.stats()
+    assert stats.evicted_live_pages == 0 and stats.private == 0 and stats.cached_locked == 0
+    return stats
 
 
 def test_every_mode_same_kv_and_reuse_order():

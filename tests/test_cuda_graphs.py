@@ -131,8 +131,9 @@ def test_an_engine_on_graphs_streams_what_the_eager_engine_streams() -> None:
         )
         engine = Engine(model, None, cfg)
         if graphs:  # on a CPU the engine never builds them: give it the eager twin of what a GPU captures
-            engine.graphs = DecodeGraphs(model, engine.pool.k, engine.pool.v, 16, 4, max_pages=32, capture=CAPTURE)
-            engine.graphs.run = counted(engine.graphs.run, rounds)
+            graphs = DecodeGraphs(model, engine.pool.k, engine.pool.v, 16, 4, max_pages=32, capture=CAPTURE)
+            graphs.run = counted(graphs.run, rounds)
+            engine.runner.graphs = graphs
         cids = [engine.open("duplex", sampling=SamplingParams(temperature=0)) for _ in inputs]
         for f in range(0, 40, 4):
             for cid, codes in zip(cids, inputs, strict=True):
@@ -158,6 +159,6 @@ def test_the_prefill_warm_up_stores_nothing() -> None:
     for t in engine.pool.k + engine.pool.v:
         t.normal_()
     before = [t.clone() for t in engine.pool.k + engine.pool.v]
-    engine.warm_up_prefill()
+    engine.runner.warm_up_prefill()
     for t, b in zip(engine.pool.k + engine.pool.v, before, strict=True):
         assert torch.equal(t, b)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -11,8 +13,8 @@ from clocks import CallClock, SimClock
 
 from codec import EncodecTokenizer
 from s2s import ModelConfig, S2SModel, SamplingParams
-from s2s.conversation import Phase
 from s2s.engine import FRAME_S, AudioEvent, Engine, EngineConfig, MetaEvent, Refused
+from s2s.session import Phase
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -54,10 +56,12 @@ def run_turns(engine: Engine, cids: list[str], turns: int, seconds: float = 0.4)
             engine.end_turn(c)
         for _ in range(400):
             engine.step()
-            if all(engine.convs[c].phase is Phase.LISTEN and len(engine.convs[c].turns) == turn + 1 for c in cids):
+            if all(
+                engine.sessions[c].phase is Phase.LISTEN and len(engine.sessions[c].turns) == turn + 1 for c in cids
+            ):
                 break
         for c in cids:
-            conv = engine.convs[c]
+            conv = engine.sessions[c]
             t = conv.turns[-1]
             assert t.reply_end is not None, "reply did not finish"
             replies[c].append(conv.model[t.reply_start : t.reply_end].copy())
@@ -105,11 +109,11 @@ def _run_as(engine: Engine, cid: str, index: int) -> dict[str, list[np.ndarray]]
         engine.end_turn(cid)
         for _ in range(400):
             engine.step()
-            conv = engine.convs[cid]
+            conv = engine.sessions[cid]
             if conv.phase is Phase.LISTEN and len(conv.turns) == turn + 1:
                 break
-        t = engine.convs[cid].turns[-1]
-        replies.append(engine.convs[cid].model[t.reply_start : t.reply_end].copy())
+        t = engine.sessions[cid].turns[-1]
+        replies.append(engine.sessions[cid].model[t.reply_start : t.reply_end].copy())
     return {cid: replies}
 
 
@@ -124,6 +128,7 @@ def test_prefix_cache_reuses_the_shared_prompt(model, tok) -> None:
             engine.step()
         engine.close(first)
         engine.open("turn", prompt="narrator", sampling=GREEDY)
+        engine.step()  # applies the close, then the open
         hits[mode] = engine.cache.stats().hit_steps
         engine.cache.check()
         with pytest.raises(KeyError, match="no voice prompt named 'nobody'"):
@@ -144,7 +149,7 @@ def test_conversations_opening_together_compute_a_shared_prompt_once(model, tok,
         cids = [engine.open("turn", prompt=prompt, sampling=GREEDY) for _ in range(4)]
         for _ in range(40):
             engine.step()
-        assert all(engine.convs[c].computed == prompt.shape[1] for c in cids)
+        assert all(engine.sessions[c].computed == prompt.shape[1] for c in cids)
         computed[m], hit[m] = engine.stats.prefill_steps, engine.cache.stats().hit_steps
         engine.cache.check()
         for c in cids:
@@ -169,6 +174,7 @@ def test_out_of_pages_preempts_the_last_opened_and_every_reply_finishes(model, t
         engine.cache.check()
         for c in cids:
             engine.close(c)
+        engine._apply_commands()
         engine.cache.check()
         assert engine.cache.stats().private == 0
     assert preempted[400] == 0 and preempted[14] > 0
@@ -177,17 +183,40 @@ def test_out_of_pages_preempts_the_last_opened_and_every_reply_finishes(model, t
             assert np.array_equal(a, b), cid
 
 
+def slow_machine(engine: Engine, clock: SimClock, step_s: float) -> None:
+    """The engine's forward on a simulated machine: 1 ms + `step_s` per decode step + 0.05 ms per prefill step."""
+    real_forward = engine.runner.forward
+
+    def costly_forward(work):
+        decode = sum(1 for w in work if w.decode)
+        clock.now += 0.001 + step_s * decode + 0.00005 * sum(len(w.tokens) for w in work if not w.decode)
+        return real_forward(work)
+
+    engine.runner.forward = costly_forward
+
+
+def test_late_duplex_frames_count_as_misses_per_conversation(model, tok) -> None:
+    """A machine too slow for two duplex streams: both miss frames, and each conversation's count adds up to the
+    engine's."""
+    clock = SimClock()
+    engine = Engine(model, tok, EngineConfig(num_pages=400, calibration_ticks=0), clock=clock)
+    slow_machine(engine, clock, step_s=0.02)
+    live = [engine.open("duplex", sampling=GREEDY, admit=False) for _ in range(2)]
+    for tick in range(60):
+        for cid in live:
+            engine.push_audio(cid, speech(FRAME_S, seed=tick)[:320])
+        start = clock.now
+        engine.step()
+        clock.now = max(clock.now, start + engine.cfg.tick_s)
+    per_session = [c["deadline_misses"] for c in engine.snapshot().sessions]
+    assert all(m > 0 for m in per_session)
+    assert sum(per_session) == engine.stats.deadline_misses
+
+
 def test_admission_refuses_and_admitted_duplex_keep_deadlines(model, tok) -> None:
     clock = SimClock()
     engine = Engine(model, tok, EngineConfig(num_pages=2000, max_conversations=12, calibration_ticks=0), clock=clock)
-    real_forward = engine._forward
-
-    def costly_forward(work):  # a simulated machine: 1 ms + 2 ms per decode step + 0.05 ms per prefill step
-        decode = sum(1 for w in work if w.decode)
-        clock.now += 0.001 + 0.002 * decode + 0.00005 * sum(len(w.tokens) for w in work if not w.decode)
-        real_forward(work)
-
-    engine._forward = costly_forward
+    slow_machine(engine, clock, step_s=0.002)
     live = [engine.open("duplex", sampling=GREEDY) for _ in range(2)]
     refused = 0
     for tick in range(300):
@@ -205,7 +234,7 @@ def test_admission_refuses_and_admitted_duplex_keep_deadlines(model, tok) -> Non
     assert refused > 0, "the burst should have hit the frame budget"
     assert len(live) >= 3
     assert engine.stats.deadline_misses == 0
-    assert all(c["deadline_misses"] == 0 for c in engine.conversation_stats())
+    assert all(c["deadline_misses"] == 0 for c in engine.snapshot().sessions)
     # with 12 rows max and 2 ms a step, at most ~4 duplex fit the 13.3 ms x 0.8 budget
     assert len(live) <= 5
 
@@ -230,7 +259,7 @@ def test_barge_in_keeps_only_played_frames(model, tok) -> None:
         engine.push_audio(cid, wav[a : a + 1920])
         engine.step()
     engine.end_turn(cid)
-    conv = engine.convs[cid]
+    conv = engine.sessions[cid]
     while conv.emitted - (conv.turns[-1].reply_start or 10**9) < 12:
         engine.step()
     turn = conv.turns[-1]
@@ -238,6 +267,7 @@ def test_barge_in_keeps_only_played_frames(model, tok) -> None:
     kept = conv.model[turn.reply_start : turn.reply_start + played].copy()
     assert any(isinstance(e, AudioEvent) for e in list(engine.event_queue(cid).queue))
     engine.interrupt(cid, played)
+    engine._apply_commands()
     assert not any(isinstance(e, AudioEvent) and e.turn == turn.id for e in list(engine.event_queue(cid).queue))
     cut = turn.reply_start + played
     assert conv.phase is Phase.LISTEN and turn.reply_end == cut
@@ -274,9 +304,9 @@ def test_turn_ids_through_barge_in(model, tok) -> None:
             engine.interrupt(cid, played_frames=3)  # the user talks over the reply
     audio = [(turn, e) for turn, e in seen if isinstance(e, AudioEvent)]
     assert audio and all(e.turn == turn for turn, e in audio)
-    assert [t.id for t in engine.convs[cid].turns] == [0, 1, 2]
-    assert all("interrupted" in t.times for t in engine.convs[cid].turns[:2])
-    stages = engine.convs[cid].turns[2].times
+    assert [t.id for t in engine.sessions[cid].turns] == [0, 1, 2]
+    assert all("interrupted" in t.times for t in engine.sessions[cid].turns[:2])
+    stages = engine.sessions[cid].turns[2].times
     order = ["end_of_turn", "reply_start", "prefill_done", "first_step", "first_audio_out"]
     assert [stages[k] for k in order] == sorted(stages[k] for k in order), stages
     assert all(isinstance(e, AudioEvent | MetaEvent) for _, e in seen)
@@ -300,10 +330,11 @@ def test_close_at_any_point_frees_private_pages(model, tok, mode: str) -> None:
             engine.end_turn(cids[i])
         engine.step()
         engine.close(cids[i])
+        engine._apply_commands()
         live.remove(cids[i])
         engine.cache.check()
         engine.pool.check()
-        assert engine.cache.stats().private <= sum(len(c.own_pages) for c in engine.convs.values())
+        assert engine.cache.stats().private <= sum(len(c.own_pages) for c in engine.sessions.values())
     stats = engine.cache.stats()
     assert stats.private == 0 and stats.cached_locked == 0
     assert stats.free + stats.cached_evictable == engine.pool.num_usable
@@ -316,13 +347,14 @@ def test_resume_and_regenerate_reuse_the_cache(model, tok) -> None:
     engine = make(model, tok, "radix")
     cid = engine.open("turn", sampling=GREEDY, session_id="alice")
     first = run_turns(engine, [cid], turns=1)[cid][0]
-    computed = engine.convs[cid].computed
+    computed = engine.sessions[cid].computed
     # regenerate: same greedy reply, and the user's turn is not computed again: the cut falls inside a page the
     # cache holds, and its steps before the cut are copied into a page of the conversation's own (copy-on-write)
-    conv = engine.convs[cid]
+    conv = engine.sessions[cid]
     cut = conv.turns[-1].reply_start - 1  # the step that predicts the reply's first frame is computed again
     assert cut % 16, "the test needs a cut inside a page"
     engine.regenerate(cid)
+    engine._apply_commands()
     assert conv.computed == cut and engine.stats.copied_steps == cut % 16
     assert conv.pages[-1] in conv.own_pages and engine.pool.refcount(conv.pages[-1]) == 1
     before = engine.stats.ticks
@@ -337,7 +369,8 @@ def test_resume_and_regenerate_reuse_the_cache(model, tok) -> None:
     engine.close(cid)
     hits = engine.cache.stats().hit_steps
     engine.open("turn", sampling=GREEDY, session_id="alice", resume=True)
-    resumed = engine.convs["alice"]
+    engine._apply_commands()
+    resumed = engine.sessions["alice"]
     assert resumed.user_frames >= t.reply_end and len(resumed.turns) == 1
     assert engine.cache.stats().hit_steps - hits >= (computed // 16 - 1) * 16
     with pytest.raises(KeyError, match="resume"):
@@ -345,34 +378,61 @@ def test_resume_and_regenerate_reuse_the_cache(model, tok) -> None:
     engine.cache.check()
 
 
-def test_threaded_engine_through_asyncio(model, tok) -> None:
+def test_threaded_engine_streams_in_real_time(model, tok) -> None:
     """The real loop: the engine ticks in its thread, a client streams audio in real time and reads audio back."""
-    import asyncio
-
-    from s2s.facade import AsyncEngine
-
-    async def main() -> int:
-        async with AsyncEngine(make(model, tok, "radix")) as engine:
-            cid = engine.open("duplex", sampling=GREEDY)
-            frames = 0
-
-            async def read() -> None:
-                nonlocal frames
-                async for event in engine.events(cid):
-                    frames += len(event.pcm) // 320 if isinstance(event, AudioEvent) else 0
-
-            reader = asyncio.create_task(read())
-            wav = speech(0.8, seed=4)
-            for a in range(0, len(wav), 1920):
-                engine.push_audio(cid, wav[a : a + 1920])
-                await asyncio.sleep(0.08)
-            await asyncio.sleep(0.3)
-            engine.close(cid)
-            await asyncio.wait_for(reader, 5)
-            return frames
-
-    frames = asyncio.run(main())
+    engine = make(model, tok, "radix")
+    engine.start()
+    try:
+        cid = engine.open("duplex", sampling=GREEDY)
+        events = engine.event_queue(cid)
+        wav = speech(0.8, seed=4)
+        for a in range(0, len(wav), 1920):
+            engine.push_audio(cid, wav[a : a + 1920])
+            time.sleep(0.08)
+        time.sleep(0.3)
+        engine.close(cid)
+        frames = 0
+        while (event := events.get(timeout=5)) is not None:
+            frames += len(event.pcm) // 320 if isinstance(event, AudioEvent) else 0
+    finally:
+        engine.stop()
     assert 40 <= frames <= 60  # 0.8 s is 60 frames; the encoder's start-up look-ahead holds a few back
+
+
+def test_calls_never_wait_for_a_tick(model, tok) -> None:
+    """While a tick is stuck in its forward, every call from another thread returns, and the tick after applies
+    them in order."""
+    engine = make(model, tok, "radix")
+    cid = engine.open("turn", sampling=GREEDY)
+    engine.push_audio(cid, speech(0.4, seed=3))
+    in_forward, release, forward = threading.Event(), threading.Event(), engine.runner.forward
+
+    def stuck(work):
+        in_forward.set()
+        assert release.wait(30), "the test never released the tick"
+        return forward(work)
+
+    engine.runner.forward = stuck
+    ticking = threading.Thread(target=engine.step)
+    ticking.start()
+    try:
+        assert in_forward.wait(30)
+        other = engine.open("turn", sampling=GREEDY)
+        engine.push_audio(cid, speech(0.2, seed=4))
+        engine.end_turn(cid)
+        engine.interrupt(other, 0)
+        engine.close(other)
+        assert engine.snapshot().conversations == 0, "the snapshot is the last tick's, not live state"
+        assert ticking.is_alive(), "the calls above returned only once the tick was over"
+    finally:
+        release.set()
+        ticking.join()
+    engine.runner.forward = forward
+    engine.step()
+    s = engine.sessions[cid]
+    assert other not in engine.sessions and engine.event_queue(cid) is s.events
+    assert s.phase is Phase.REPLY and s.turns[-1].reply_start is not None
+    assert engine.snapshot().conversations == 1
 
 
 def test_end_of_turn_starts_a_tick_at_once(model, tok) -> None:
@@ -422,13 +482,13 @@ def test_a_turns_first_audio_leaves_in_the_round_it_is_complete(model, tok) -> N
     cid = engine.open("turn", sampling=GREEDY)
     engine.push_audio(cid, speech(0.4, seed=3))
     engine.end_turn(cid)
-    q, forward, ticks, seen = engine.event_queue(cid), engine._forward, 0, []
+    q, forward, ticks, seen = engine.event_queue(cid), engine.runner.forward, 0, []
 
-    def spy(work) -> None:
+    def spy(work):
         seen.append((ticks, q.qsize()))  # events queued when a round starts, by tick
-        forward(work)
+        return forward(work)
 
-    engine._forward = spy
+    engine.runner.forward = spy
     while q.empty():
         engine.step()
         ticks += 1
@@ -468,7 +528,7 @@ def test_end_of_turn_is_stamped_on_its_own_turn_when_the_audio_is_still_queued(m
         for _ in range(40):
             engine.step()
         drain(engine, cid)
-    turns = engine.convs[cid].turns
+    turns = engine.sessions[cid].turns
     assert len(turns) == 2 and all(t.reply_end is not None for t in turns)
     for t, ended in zip(turns, ends, strict=True):
         assert ended <= t.times["end_of_turn"] <= t.times["reply_start"], t.times
@@ -491,7 +551,7 @@ def test_out_of_pages_takes_a_conversation_between_turns_not_one_mid_utterance(m
         engine.push_audio(first, speech(0.2, seed=5))  # a second turn begins; its frames are computed
         for _ in range(3):
             engine.step()
-    conv = engine.convs[first]
+    conv = engine.sessions[first]
     assert conv.step_token(conv.computed) is None and conv.pages  # nothing to compute this tick, pages held
     pages_short(engine, free=1)
     prompt = tok.encode(speech(0.5, seed=99))[0]  # the newcomer needs 3 pages
@@ -499,7 +559,7 @@ def test_out_of_pages_takes_a_conversation_between_turns_not_one_mid_utterance(m
     engine.step()
     assert (engine.stats.preempted == 0) is speaking
     assert bool(conv.pages) is speaking
-    assert (engine.convs[late].computed == prompt.shape[1]) is not speaking
+    assert (engine.sessions[late].computed == prompt.shape[1]) is not speaking
 
 
 def test_the_newest_conversation_short_of_pages_keeps_them_and_waits_instead_of_preempting_itself(model, tok) -> None:
@@ -516,7 +576,8 @@ def test_the_newest_conversation_short_of_pages_keeps_them_and_waits_instead_of_
     pages_short(engine, free=1)
     prompt = tok.encode(speech(0.5, seed=99))[0]  # 38 frames: 3 pages
     late = engine.open("turn", prompt=prompt, sampling=GREEDY, admit=False)
-    conv, prefilled = engine.convs[late], engine.stats.prefill_steps
+    engine._apply_commands()
+    conv, prefilled = engine.sessions[late], engine.stats.prefill_steps
     for _ in range(6):
         engine.step()
     assert engine.stats.preempted == 0 and conv.computed == 16 and len(conv.pages) == 1
@@ -525,10 +586,10 @@ def test_the_newest_conversation_short_of_pages_keeps_them_and_waits_instead_of_
     engine.push_audio(late, speech(0.2, seed=6))  # the newcomer's user speaks: it needs its K/V now
     for _ in range(200):
         engine.step()
-        if conv.computed == conv.user_frames and engine.convs[first].phase is Phase.LISTEN:
+        if conv.computed == conv.user_frames and engine.sessions[first].phase is Phase.LISTEN:
             break
     assert conv.computed == conv.user_frames > prompt.shape[1]
-    assert engine.convs[first].turns[-1].reply_end is not None
+    assert engine.sessions[first].turns[-1].reply_end is not None
     assert engine.stats.preempted == 2  # the newcomer by the reply, then the answered one for the newcomer
 
 
@@ -539,7 +600,8 @@ def test_an_older_conversation_with_no_pages_takes_them_from_a_newer_one(model, 
     older = engine.open("turn", sampling=GREEDY, admit=False)
     pages_short(engine, free=1)
     newer = engine.open("turn", prompt=tok.encode(speech(0.5, seed=99))[0], sampling=GREEDY, admit=False)
-    o, n = engine.convs[older], engine.convs[newer]
+    engine._apply_commands()
+    o, n = engine.sessions[older], engine.sessions[newer]
     for _ in range(3):
         engine.step()
     assert n.computed == 16 and not o.pages
@@ -564,7 +626,7 @@ def test_a_reply_short_of_pages_takes_a_speakers_and_the_speaker_recomputes_when
     engine.step()
     engine.end_turn(replier)
     pages_short(engine, free=0)
-    s, r = engine.convs[speaker], engine.convs[replier]
+    s, r = engine.sessions[speaker], engine.sessions[replier]
     for _ in range(200):
         engine.step()
         if r.phase is Phase.LISTEN:

@@ -8,8 +8,8 @@ from clocks import CallClock
 
 from codec import EncodecTokenizer
 from s2s import ModelConfig, S2SModel, SamplingParams
-from s2s.conversation import Phase
 from s2s.engine import AudioEvent, CodesEvent, Engine, EngineConfig, MetaEvent
+from s2s.session import Phase
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -34,7 +34,7 @@ def reply(engine: Engine, cid: str, text: str) -> tuple[np.ndarray, list]:
     engine.end_turn(cid)
     for _ in range(200):
         engine.step()
-        if engine.convs[cid].phase is Phase.LISTEN and engine.convs[cid].turns[-1].reply_end is not None:
+        if engine.sessions[cid].phase is Phase.LISTEN and engine.sessions[cid].turns[-1].reply_end is not None:
             break
     q, events = engine.event_queue(cid), []
     while not q.empty():
@@ -50,7 +50,7 @@ def test_codec_free_engine_streams_codes(text_model) -> None:
     engine = make(text_model, calibration_ticks=2)  # calibration runs on codes too
     cid = engine.open("turn", sampling=GREEDY)
     codes, events = reply(engine, cid, "what is the weather like")
-    turn = engine.convs[cid].turns[-1]
+    turn = engine.sessions[cid].turns[-1]
     assert turn.reply_end - turn.reply_start == 12  # max_reply_frames (END is not sampled with these weights)
     first = next(e for e in events if isinstance(e, CodesEvent))
     assert not any(isinstance(e, AudioEvent) for e in events)
@@ -76,7 +76,7 @@ def test_codec_free_reply_is_the_same_alone_batched_and_in_any_cache_mode(text_m
         engine.end_turn(cid)
     for _ in range(200):
         engine.step()
-        if all(engine.convs[c].phase is Phase.LISTEN and engine.convs[c].turns[-1].reply_end for c in cids):
+        if all(engine.sessions[c].phase is Phase.LISTEN and engine.sessions[c].turns[-1].reply_end for c in cids):
             break
     for cid, expected in zip(cids, alone, strict=True):
         q = engine.event_queue(cid)
@@ -107,13 +107,13 @@ def test_speech_engine_reply_to_codes_is_audio() -> None:
     engine.end_turn(cid)
     for _ in range(100):
         engine.step()
-        if engine.convs[cid].phase is Phase.LISTEN and engine.convs[cid].turns[-1].reply_end is not None:
+        if engine.sessions[cid].phase is Phase.LISTEN and engine.sessions[cid].turns[-1].reply_end is not None:
             break
     q = engine.event_queue(cid)
     events = [q.get() for _ in range(q.qsize())]
     assert sum(len(e.pcm) for e in events if isinstance(e, AudioEvent)) == 12 * 320
     assert not any(isinstance(e, CodesEvent) for e in events)
-    assert engine.convs[cid].turns[-1].first_frame == 0
+    assert engine.sessions[cid].turns[-1].first_frame == 0
 
 
 @pytest.mark.parametrize("mode", ["paged", "exact", "radix"])
@@ -141,12 +141,12 @@ def test_two_conversations_in_pages_for_one_both_answer(text_model, mode: str, p
             engine.end_turn(cid)
         for _ in range(300):
             engine.step()
-            convs = [engine.convs[c] for c in cids]
+            convs = [engine.sessions[c] for c in cids]
             if all(c.phase is Phase.LISTEN and c.turns[-1].reply_end is not None for c in convs):
                 break
         engine.cache.check()
-        answers[num_pages] = [engine.convs[c].model[100:112, 0].copy() for c in cids]
-        assert all(engine.convs[c].turns[-1].reply_end is not None for c in cids), "a conversation never answered"
+        answers[num_pages] = [engine.sessions[c].model[100:112, 0].copy() for c in cids]
+        assert all(engine.sessions[c].turns[-1].reply_end is not None for c in cids), "a conversation never answered"
     assert all(np.array_equal(a, b) for a, b in zip(answers[200], answers[pages], strict=True))
 
 
@@ -173,13 +173,15 @@ def test_duplex_on_cached_prompts_speaks_the_same_whatever_the_prefix_reused(tex
     expected = duplex_codes(engine, first, 12)
     engine.close(first)
     same = engine.open("duplex", prompt=prompt, sampling=GREEDY)
-    assert engine.convs[same].cached_at_open == {"exact": 16, "radix": 31}.get(mode, 0)
+    engine._apply_commands()
+    assert engine.sessions[same].cached_at_open == {"exact": 16, "radix": 31}.get(mode, 0)
     assert np.array_equal(duplex_codes(engine, same, 12), expected) and len(expected) == 12
     engine.close(same)
     alone = make(text_model, cache_mode="naive")
     reference = duplex_codes(alone, alone.open("duplex", prompt=branch, sampling=GREEDY), 12)
     other = engine.open("duplex", prompt=branch, sampling=GREEDY)
-    assert engine.convs[other].cached_at_open == {"exact": 16, "radix": 20}.get(mode, 0)
+    engine._apply_commands()
+    assert engine.sessions[other].cached_at_open == {"exact": 16, "radix": 20}.get(mode, 0)
     assert np.array_equal(duplex_codes(engine, other, 12), reference)
     assert engine.stats.copied_steps == (15 + 4 if mode == "radix" else 0)
     engine.cache.check()

@@ -2,34 +2,32 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from s2s.config import ModelConfig
-from s2s.conversation import Conversation, Phase, Turn
 from s2s.sampling import SamplingParams
 from s2s.scheduler import Scheduler
+from s2s.session import Phase, Session, Turn
 
 CFG = ModelConfig.preset("tiny", num_codebooks=2)
 
 
-def conv(cid: str, mode: str = "turn", frames: int = 40, cached: int = 0) -> Conversation:
-    c = Conversation(cid, mode, CFG, SamplingParams(seed=0), row=0, now=0.0)
+def conv(cid: str, mode: str = "turn", frames: int = 40, cached: int = 0) -> Session:
+    c = Session(cid, mode, CFG, SamplingParams(seed=0), row=0, now=0.0)
     c.set_prompt(np.random.default_rng(0).integers(0, 1024, size=(2, frames)))
     c.computed = cached  # steps a prefix cache gave back (the scheduler reads only the count without page_size)
     return c
 
 
-def answering(c: Conversation) -> Conversation:
+def answering(c: Session) -> Session:
     """The user stopped speaking: the turn's reply starts once its speech is computed."""
     c.turns.append(Turn(0, c.user_frames, reply_start=c.user_frames))
     c.phase = Phase.REPLY
     return c
 
 
-def prefill_order(s: Scheduler, convs: list[Conversation], now: float = 0.0) -> list[tuple[str, int]]:
-    return [(w.conv.id, len(w.tokens)) for w in s.pick(convs, now, lambda c: math.inf) if not w.decode]
+def prefill_order(s: Scheduler, convs: list[Session], now: float = 0.0) -> list[tuple[str, int]]:
+    return [(w.session.id, len(w.tokens)) for w in s.pick(convs, now) if not w.decode]
 
 
 def test_background_prefill_goes_longest_cached_prefix_first() -> None:
@@ -72,8 +70,8 @@ def test_background_prefill_is_capped_while_a_reply_has_not_yet_sounded() -> Non
     replying.user[20:30] = CFG.silent_id  # the user is silent while it replies
     replying.model[20, 0] = 5  # codebook 0 of the reply's first frame (codebook 1 is a step behind)
     replying.computed = replying.emitted = 20  # the next step is the reply's first; nothing has been sent
-    work = s.pick([conv("prompt", frames=80), replying], 0.0, lambda c: math.inf)
-    assert [(w.conv.id, len(w.tokens), w.decode) for w in work] == [("reply", 1, True), ("prompt", 16, False)]
+    work = s.pick([conv("prompt", frames=80), replying], 0.0)
+    assert [(w.session.id, len(w.tokens), w.decode) for w in work] == [("reply", 1, True), ("prompt", 16, False)]
     replying.emitted += 4  # its first audio has left: nobody waits on this tick any more
-    work = s.pick([conv("prompt", frames=80), replying], 0.0, lambda c: math.inf)
-    assert [(w.conv.id, len(w.tokens), w.decode) for w in work] == [("reply", 1, True), ("prompt", 64, False)]
+    work = s.pick([conv("prompt", frames=80), replying], 0.0)
+    assert [(w.session.id, len(w.tokens), w.decode) for w in work] == [("reply", 1, True), ("prompt", 64, False)]

@@ -1,10 +1,14 @@
-"""Conversation: one session's two streams of frames, the step tokens they make, and its K/V pages.
+"""Session: one conversation's two streams of frames, the step tokens they make, its turns and its K/V pages.
 
 Both streams share one frame index. A model frame is either forced (a voice prompt, silence while the user speaks
 in turn mode, silence after the reply ends) or predicted. Step t holds codebook k of frame t - delays[k] of both
 streams (`pad_id` before frame 0), so step t is known once user frame t - delays[k] and model frame t - delays[k]
 are, for every k. The forward over step t gives the logits of step t + 1; of those, only the (frame, codebook)
 pairs still unknown are sampled.
+
+The engine thread alone reads and writes a live session (callers on other threads reach it through the engine's
+command queue). Its pages and cache handle are `KVManager`'s to change; the turn lifecycle (a reply starts, is
+cut by a barge-in, ends, is regenerated) is here.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import numpy as np
 import torch
 
 from s2s.config import ModelConfig
+from s2s.events import EventQueue
 from s2s.sampling import SamplingParams
 
 UNKNOWN = -1
@@ -37,11 +42,15 @@ class Turn:
     times: dict[str, float] = field(default_factory=dict)
 
 
-class Conversation:
+class Session:
     def __init__(self, cid: str, mode: str, cfg: ModelConfig, sampling: SamplingParams, row: int, now: float):
         if mode not in ("duplex", "turn"):
             raise ValueError(f"mode must be duplex or turn, got {mode!r}")
         self.id, self.mode, self.cfg, self.row = cid, mode, cfg, row
+        self.events = EventQueue()
+        self.input_kind: str | None = None  # "audio" or "codes", fixed by the first push (checked by the caller)
+        self.pending: list[np.ndarray] = []  # pushed PCM or codes, not yet encoded
+        self.end_of_turn_at: float | None = None  # turn mode: when the turn whose reply is waiting ended
         self.sampling = sampling
         self.generator = sampling.generator()
         self.delays = np.asarray(cfg.delays)
@@ -66,7 +75,7 @@ class Conversation:
         self.cached_at_open = 0  # steps the prefix cache gave back when it opened
         self.open_key_steps = 0  # steps known when it opened (what the first match looked up)
         self.seen_inserts = -1  # the engine's insert count when this conversation last matched
-        self.deadline_misses = 0
+        self.deadline_misses = 0  # duplex frames sent after their deadline (`AudioIO`)
 
     @property
     def dormant(self) -> bool:
@@ -199,3 +208,148 @@ class Conversation:
         """Model frames whose every codebook is known, counted from frame 0 (contiguous)."""
         known = (self.model != UNKNOWN).all(axis=1)
         return int(np.argmin(known)) if not known.all() else len(known)
+
+    # ---- the turn lifecycle --------------------------------------------------------------------------------------
+
+    def hear(self, codes: np.ndarray, now: float) -> None:
+        """New user frames `[K, n]` from the encoder (or pushed as codes). In turn mode, speech after an answered
+        turn opens the next turn."""
+        if self.first_frame_at is None:
+            self.first_frame_at = now
+        if (
+            self.mode == "turn"
+            and self.phase is Phase.LISTEN
+            and (not self.turns or self.turns[-1].reply_start is not None)
+        ):
+            self.turns.append(Turn(len(self.turns), self.user_frames, times={"first_audio_in": now}))
+        self.add_user_frames(codes)
+
+    def end_turn(self, ended: float) -> None:
+        """The user finished speaking at `ended`; the reply starts once their audio is in (`start_reply`). A second
+        end of turn with no new speech (from VAD and the client both) changes nothing."""
+        answered = self.turns and self.turns[-1].reply_start is not None and not self.pending
+        if self.phase is Phase.REPLY or answered:
+            return
+        if self.end_of_turn_at is None:  # stamped on the turn when its reply starts: it may not exist yet
+            self.end_of_turn_at = ended
+
+    def start_reply(self, now: float) -> bool:
+        """Turn mode: once a finished turn's audio is all in, the model stream becomes predicted. True when the
+        user's last step is already computed, so the reply's first step can be sampled at once."""
+        if self.end_of_turn_at is None or self.pending or self.phase is Phase.REPLY or not self.turns:
+            return False
+        turn = self.turns[-1]
+        turn.times.setdefault("end_of_turn", self.end_of_turn_at)
+        self.end_of_turn_at = None
+        turn.reply_start = self.user_frames
+        turn.times["reply_start"] = now
+        self.phase = Phase.REPLY
+        self.emitted = turn.reply_start
+        self.fill_reply_silence()
+        if self.computed == turn.reply_start and self.last_logits is not None:
+            turn.times["prefill_done"] = now
+            return True
+        return False
+
+    def fill_reply_silence(self) -> None:
+        """While replying, the user stream is silent; after the reply's end, the model stream is too."""
+        turn = self.turns[-1]
+        horizon = self.computed + int(self.delays.max()) + 2
+        self._ensure(horizon + 1)
+        silent = self.cfg.silent_id
+        for f in range(turn.reply_start, horizon):
+            if self.user[f, 0] == UNKNOWN:
+                self.user[f] = silent
+        self.user_frames = max(self.user_frames, horizon)
+        if turn.reply_end is not None:
+            block = self.model[turn.reply_end : horizon]
+            block[block == UNKNOWN] = silent
+
+    def end_reply_at(self, filled: list[tuple[int, int]], max_reply_frames: int) -> None:
+        """After sampling: the reply ends at its END code, or after `max_reply_frames` frames."""
+        turn = self.turns[-1]
+        for f, k in filled:
+            if k or turn.reply_end is not None:
+                continue
+            if self.model[f, 0] == self.cfg.end_id:
+                turn.reply_end = f
+            elif f - turn.reply_start + 1 >= max_reply_frames:
+                turn.reply_end = f + 1
+        if turn.reply_end is not None:
+            self.fill_reply_silence()
+
+    def reply_over(self) -> bool:
+        """Every codebook of the reply's frames is known and decoded."""
+        if self.phase is not Phase.REPLY:
+            return False
+        turn = self.turns[-1]
+        return turn.reply_end is not None and self.emitted >= turn.reply_end
+
+    def finish_reply(self, now: float) -> dict:
+        """Back to listening; returns the `reply_done` event's data. Call `rewind(computed)` after."""
+        turn = self.turns[-1]
+        turn.times["reply_done"] = now
+        self.phase = Phase.LISTEN
+        frames = int(turn.reply_end - turn.reply_start)
+        return {"event": "reply_done", "turn": turn.id, "frames": frames, "times": dict(turn.times)}
+
+    def cut_reply(self, played_frames: int, now: float) -> int | None:
+        """Barge-in: the reply ends after the `played_frames` frames the user heard. Returns the frame to rewind to,
+        or None when no reply is playing."""
+        if self.phase is not Phase.REPLY:
+            return None
+        turn = self.turns[-1]
+        cut = turn.reply_start + max(0, min(played_frames, self.complete_model_frames() - turn.reply_start))
+        turn.reply_end = cut
+        turn.times["interrupted"] = now
+        self.phase = Phase.LISTEN
+        self.emitted = cut
+        self.events.drop_turn_audio(turn.id)
+        return cut
+
+    def regenerate(self, now: float) -> int:
+        """Turn mode: drop the last reply to generate it again; returns the frame to rewind to."""
+        if self.mode != "turn" or self.phase is not Phase.LISTEN or not self.turns:
+            raise ValueError("regenerate needs a turn-mode conversation that has finished a reply")
+        turn = self.turns[-1]
+        if turn.reply_start is None:
+            raise ValueError("the last turn has no reply to regenerate")
+        cut = turn.reply_start
+        turn.reply_start = turn.reply_end = None
+        turn.times = {"regenerate": now}
+        self.end_of_turn_at = now
+        return cut
+
+    def rewind(self, frame: int) -> None:
+        """Forget both streams from `frame` on; steps from there lose their K/V (`KVManager.trim` drops them)."""
+        self.idle_frames = -1  # it is no longer what was preempted (`dormant`)
+        self.user[frame:] = UNKNOWN
+        self.model[frame:] = UNKNOWN
+        self.user_frames = frame
+        if self.computed > frame:
+            # the stored logits belong to a forgotten step: recompute step frame - 1 to predict frame again
+            self.computed = max(0, frame - 1)
+            self.last_logits = None
+
+    def answered(self) -> bool:
+        """Its last turn has its reply (not cut by a barge-in, whose speech is on its way), or no speech yet."""
+        if not self.turns:
+            return True
+        turn = self.turns[-1]
+        if turn.reply_start is None:
+            return self.user_frames == turn.first_frame  # the turn opened with a voice prompt, before any speech
+        return "interrupted" not in turn.times
+
+    def stats(self) -> dict:
+        return {
+            "session": self.id,
+            "mode": self.mode,
+            "phase": self.phase.value,
+            "turn": self.turns[-1].id if self.turns else 0,
+            "steps": self.computed,
+            "pages": len(self.pages),
+            "own_pages": len(self.own_pages),
+            "cached_steps_at_open": self.cached_at_open,
+            "frames_out": self.emitted,
+            "deadline_misses": self.deadline_misses,
+        }

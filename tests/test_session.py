@@ -7,10 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from s2s import ModelConfig, SamplingParams
-from s2s.conversation import UNKNOWN, Conversation
+from s2s.session import UNKNOWN, Session
 
 
-def by_steps(conv: Conversation, start: int, limit: int) -> list[np.ndarray]:
+def by_steps(conv: Session, start: int, limit: int) -> list[np.ndarray]:
     out = []
     for t in range(start, start + limit):
         token = conv.step_token(t)
@@ -31,7 +31,7 @@ def by_steps(conv: Conversation, start: int, limit: int) -> list[np.ndarray]:
 )
 def test_step_views_agree_with_step_token(delays, user_frames, model_frames, hole, computed, limit) -> None:
     cfg = ModelConfig.preset("tiny", num_codebooks=len(delays), delays=delays)
-    conv = Conversation("c", "turn", cfg, SamplingParams(), 0, 0.0)
+    conv = Session("c", "turn", cfg, SamplingParams(), 0, 0.0)
     conv._ensure(max(user_frames, model_frames) + 1)
     rng = np.random.default_rng(user_frames * 100 + model_frames)
     conv.user[:user_frames] = rng.integers(0, cfg.codebook_size, size=(user_frames, len(delays)))

@@ -1,0 +1,113 @@
+"""AudioIO: every session's new user audio through one batched encoder call, every session's newly complete model
+frames through one batched decoder call per chunk length, and the send accounting (duplex frame deadlines).
+
+Without a codec (a codec-free engine, e.g. a text model over one codebook of bytes) sessions are fed codes and emit
+`CodesEvent`s: both directions pass codes through.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import torch
+
+from codec import EncodecTokenizer
+from s2s.events import AudioEvent, CodesEvent
+from s2s.metrics import EngineStats
+from s2s.scheduler import first_audio_due, frame_deadline
+from s2s.session import Phase, Session
+
+
+class AudioIO:
+    def __init__(
+        self,
+        tokenizer: EncodecTokenizer | None,
+        rows: int,
+        codebook_size: int,
+        jitter_buffer_s: float,
+        stats: EngineStats,
+        clock: Callable[[], float],
+    ):
+        self.encoder = tokenizer.streaming_encoder(rows) if tokenizer else None
+        self.decoder = tokenizer.streaming_decoder(rows) if tokenizer else None
+        self.codebook_size, self.jitter_buffer_s, self.stats, self.clock = codebook_size, jitter_buffer_s, stats, clock
+        if tokenizer is not None:
+            silence = tokenizer.encode(np.zeros(320 * 16, dtype=np.float32))[0, :, -1]
+            self.silence_codes = silence.cpu().numpy()  # what EnCodec makes of digital silence
+
+    def reset(self, row: int) -> None:
+        """A row's codec state back to the start of a stream (a new session, or a reply cut short)."""
+        if self.encoder is not None:
+            self.encoder.reset(row)
+            self.decoder.reset(row)
+
+    def reset_decoder(self, row: int) -> None:
+        if self.decoder is not None:
+            self.decoder.reset(row)
+
+    def encode(self, sessions: Iterable[Session]) -> None:
+        """Each session's pushed input becomes user frames (`Session.hear`): PCM through the streaming encoder, all
+        sessions in one call; codes as they are."""
+        rows, chunks, owners, heard = [], [], [], []
+        for s in sessions:
+            if not s.pending:
+                continue
+            taken, s.pending = s.pending, []
+            if s.input_kind == "codes":
+                heard.append((s, np.concatenate(taken, axis=1)))
+            else:
+                rows.append(s.row)
+                chunks.append(np.concatenate(taken))
+                owners.append(s)
+        if rows:
+            encoded = zip(owners, (c.cpu().numpy() for c in self.encoder.push(chunks, rows)), strict=True)
+            heard += [(s, codes) for s, codes in encoded if codes.shape[-1]]
+        now = self.clock()
+        for s, codes in heard:
+            s.hear(codes, now)
+
+    def decode(self, sessions: Iterable[Session], first_audio_only: bool = False) -> None:
+        """Decode and send every session's newly complete frames (one decoder call per chunk length).
+        `first_audio_only`: only turns whose reply has its first frame complete and nothing sent yet; the rest of
+        the tick's rounds would otherwise delay that first audio (the user is waiting on it)."""
+        groups: dict[int, list[tuple[Session, int, int]]] = {}
+        for s in sessions:
+            if first_audio_only and not first_audio_due(s):
+                continue
+            start, stop = self._sendable(s)
+            if stop > start:
+                groups.setdefault(stop - start, []).append((s, start, stop))
+        for items in groups.values():
+            codes = np.stack([s.model[a:b].T for s, a, b in items])
+            if self.decoder is None:
+                out = codes  # codec-free: the sampled ids themselves
+            else:
+                codes = np.where(codes < self.codebook_size, codes, self.silence_codes[None, :, None])
+                out = self.decoder.push(torch.from_numpy(codes), [s.row for s, _, _ in items]).cpu().numpy()
+            now = self.clock()
+            for (s, a, b), audio in zip(items, out, strict=True):
+                self._send(s, a, b, audio, now)
+
+    def _send(self, s: Session, first: int, stop: int, audio: np.ndarray, now: float) -> None:
+        s.emitted = stop
+        turn = s.turns[-1]
+        turn.times.setdefault("first_audio_out", now)
+        if s.mode == "duplex":
+            late = sum(now > frame_deadline(s, f, self.jitter_buffer_s) for f in range(first, stop))
+            s.deadline_misses += late
+            self.stats.deadline_misses += late
+        event = AudioEvent if self.decoder is not None else CodesEvent
+        s.events.put(event(s.id, turn.id, first, audio, dict(turn.times)))
+
+    @staticmethod
+    def _sendable(s: Session) -> tuple[int, int]:
+        complete = s.complete_model_frames()
+        if s.mode == "duplex":
+            start = max(s.emitted, s.prompt_frames)
+            return start, complete if s.first_frame_at is not None else start
+        if s.phase is not Phase.REPLY:
+            return s.emitted, s.emitted
+        turn = s.turns[-1]
+        stop = complete if turn.reply_end is None else min(complete, turn.reply_end)
+        return s.emitted, max(s.emitted, stop)

@@ -1,0 +1,212 @@
+"""KVManager: the sole owner of every session's page table, own pages and cache handle (see `cache/base.py` for
+who holds a reference on a page).
+
+- A session matches the prefix cache when it opens (`attach`), and again whenever it has a page or more of prefill
+  waiting and the cache has gained pages since it last looked (`rematch`). Full pages go into the cache after every
+  prefill chunk (`insert`).
+- A match never covers a key's last step: its logits are what the session predicts from. With the radix cache, a
+  key that leaves a cached prefix inside a page also gets that page's shared steps, copied into a page of its own
+  (`private_copy`): a cached page is never written into. A rewind whose cut falls inside a cached page copies its
+  steps before the cut the same way (`trim`).
+- When the pool runs out, `reserve` preempts the session the scheduler names (`Scheduler.victim`): its full pages go
+  to the cache, and it gets back on its next match whatever was not evicted meanwhile.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+from cache import MatchResult, OutOfPages, PagePool, make_cache
+from s2s.metrics import EngineStats
+from s2s.scheduler import Work
+from s2s.session import Phase, Session
+
+
+class KVManager:
+    def __init__(self, pool: PagePool, cache_mode: str, max_context: int, stats: EngineStats):
+        self.pool, self.cache, self.stats = pool, make_cache(cache_mode, pool), stats
+        self.page_size = pool.page_size
+        self.reserved_on_open = self.cache.pages_on_open(max_context)  # naive: every page a session may need
+        self.inserts = 0  # prefix-cache inserts so far: a session re-matches only after new ones
+
+    @property
+    def capacity(self) -> int | None:
+        """Sessions that fit when each reserves its pages at open (naive), else None (no fixed bound)."""
+        return self.pool.num_usable // self.reserved_on_open if self.reserved_on_open else None
+
+    def attach(self, s: Session) -> None:
+        """Match the longest cached prefix of what the session knows so far and lock it; reserve pages up front
+        where the mode does (raises `OutOfPages`, with nothing held)."""
+        key = s.known_key()
+        s.open_key_steps, s.seen_inserts = len(key), self.inserts
+        m = self.cache.match(key) if len(key) else None
+        if m is not None:
+            if m.cached_steps:
+                self.cache.lock(m.handle)
+                s.handle = m.handle
+            s.pages, s.computed = self._matched_table(m)
+            s.own_pages += s.pages[len(m.pages) :]
+            self.cache.record_hits(s.computed - m.cached_steps, s.computed - m.cached_steps)
+            s.cached_at_open = s.computed
+        if self.reserved_on_open:
+            try:
+                s.own_pages += self.cache.alloc(max(0, self.reserved_on_open - len(s.pages)))
+            except OutOfPages:
+                self.detach(s)
+                raise
+
+    def detach(self, s: Session) -> None:
+        self.cache.release(s.own_pages)
+        s.own_pages, s.pages = [], []
+        if s.handle is not None:
+            self.cache.unlock(s.handle)
+            s.handle = None
+
+    def insert(self, s: Session, lock: bool) -> None:
+        """Cache the session's full pages; with `lock`, it keeps them locked (it goes on using them)."""
+        full = s.computed // self.page_size * self.page_size
+        if full == 0:
+            return
+        self.inserts += 1
+        handle = self.cache.insert(s.key(full), s.pages[: full // self.page_size])
+        if lock:
+            self.cache.lock(handle)
+        if s.handle is not None:
+            self.cache.unlock(s.handle)
+        s.handle = handle if lock else None
+
+    def rematch(self, sessions: Iterable[Session]) -> None:
+        """A session with prefill waiting takes what the cache gained since it last looked: the pages another one
+        has just computed for the same prefix (vLLM and SGLang match when they schedule, not only on arrival).
+        Sessions that arrive together thus compute a shared prefix once; the scheduler holds back all but one of
+        those about to compute the same page (`Scheduler` with `page_size`)."""
+        if not self.cache.shares_prefixes:
+            return
+        for s in sessions:
+            if s.seen_inserts == self.inserts or s.step_token(s.computed + self.page_size) is None:
+                continue  # nothing new in the cache, or less than a page of prefill waiting
+            if s.dormant:
+                continue  # locking its old pages again would take them from whoever preempted it
+            s.seen_inserts = self.inserts
+            m = self.cache.match(s.known_key(), record=False)
+            if m.cached_steps + (m.partial[1] if m.partial else 0) <= s.computed:
+                continue
+            self.cache.lock(m.handle)
+            table, cached = self._matched_table(m)
+            if cached <= s.computed:  # the copy it counted on could not be made
+                self.cache.unlock(m.handle)
+                continue
+            if s.handle is not None:
+                self.cache.unlock(s.handle)
+            s.handle = m.handle
+            kept = set(table)
+            dropped = [p for p in s.pages if p not in kept]
+            if not set(dropped) <= set(s.own_pages):
+                raise AssertionError(f"{s.id}: a matched page left its table on a re-match")
+            self.cache.release(dropped)
+            gone = set(dropped)
+            s.own_pages = [p for p in s.own_pages if p not in gone] + table[len(m.pages) :]
+            self.cache.record_hits(cached - s.computed, max(0, min(cached, s.open_key_steps) - s.computed))
+            s.pages, s.computed, s.last_logits = table, cached, None
+
+    def trim(self, s: Session) -> None:
+        """After a rewind (`Session.rewind`): the pages past `computed` go back to the pool, and a page the cut falls
+        in that others hold is replaced by a copy of its steps before the cut (or they are computed again)."""
+        keep = math.ceil(s.computed / self.page_size)
+        if s.computed % self.page_size and len(s.pages) >= keep:
+            last = s.pages[keep - 1]
+            if last not in s.own_pages or self.pool.refcount(last) > 1:
+                copy = self._private_copy(last, s.computed % self.page_size)
+                if copy is None:
+                    keep -= 1
+                    s.computed = keep * self.page_size
+                    s.last_logits = None
+                else:
+                    s.pages[keep - 1] = copy
+                    s.own_pages.append(copy)
+                    if last in s.own_pages:
+                        s.own_pages.remove(last)
+                        self.cache.release([last])
+        if not self.reserved_on_open and len(s.pages) > keep:
+            owned = set(s.own_pages)
+            released = [p for p in s.pages[keep:] if p in owned]
+            s.pages = s.pages[:keep]
+            gone = set(released)
+            s.own_pages = [p for p in s.own_pages if p not in gone]
+            self.cache.release(released)
+
+    def reserve(self, work: list[Work], victim: Callable[[Session, set[str]], Session | None]) -> list[Work]:
+        """Pages for this round's work. When the pool runs short, a session preempts the one `victim` names; a
+        prefill shrinks to what fits; otherwise it waits a tick. Without this, sessions that each hold some pages
+        and each need one more, or listeners holding theirs while another cannot start its turn, would wait on each
+        other for ever."""
+        kept: list[Work] = []
+        busy = {w.session.id for w in work}
+        preempted: set[str] = set()
+        for w in work:
+            s = w.session
+            if s.id in preempted:
+                continue
+            while (need := math.ceil((s.computed + len(w.tokens)) / self.page_size) - len(s.pages)) > 0:
+                in_table = set(s.pages)
+                take = [p for p in s.own_pages if p not in in_table][:need]  # naive: reserved up front
+                try:
+                    new = take + (self.cache.alloc(need - len(take)) if need > len(take) else [])
+                except OutOfPages:
+                    self.stats.out_of_pages += 1
+                    if not self.reserved_on_open and (v := victim(s, busy - preempted)) is not None:
+                        self.preempt(v)
+                        preempted.add(v.id)
+                        kept = [k for k in kept if k.session is not v]
+                        continue
+                    c = self.cache.stats()
+                    fit = (len(s.pages) + c.free + c.cached_evictable) * self.page_size - s.computed
+                    if not w.decode and 0 < fit < len(w.tokens):
+                        w = Work(s, w.tokens[:fit], False)
+                        continue
+                    break  # this session waits a tick
+                s.pages += new
+                owned = set(s.own_pages)
+                s.own_pages += [p for p in new if p not in owned]
+            else:
+                kept.append(w)
+        return kept
+
+    def preempt(self, s: Session) -> None:
+        """Give back a session's pages and recompute its K/V later (its frames are kept). Its full pages go to the
+        prefix cache first, so what is not evicted meanwhile comes back on its next match."""
+        if s.mode == "turn" and s.phase is Phase.LISTEN and s.step_token(s.computed) is None:
+            s.idle_frames = s.user_frames  # all it had is computed: nothing to do until its user speaks
+        self.insert(s, lock=False)
+        self.cache.release(s.own_pages)
+        if s.handle is not None:
+            self.cache.unlock(s.handle)
+        s.own_pages, s.pages, s.handle = [], [], None
+        s.computed, s.last_logits = 0, None
+        s.seen_inserts, s.open_key_steps = -1, 0  # re-match at once; what it gets back counts as hits
+        self.stats.preempted += 1
+
+    def _matched_table(self, m: MatchResult) -> tuple[list[int], int]:
+        """The page table and the steps a match gives: its pages, and a private copy of its partial page's steps
+        when a page can be had for it (the copy is the caller's own). Lock `m.handle` first: the copy may evict."""
+        table, steps = list(m.pages), m.cached_steps
+        if m.partial and (copy := self._private_copy(*m.partial)) is not None:
+            table.append(copy)
+            steps += m.partial[1]
+        return table, steps
+
+    def _private_copy(self, page: int, steps: int) -> int | None:
+        """Copy-on-write: a new page of the caller's own holding the first `steps` steps of `page`, which the cache
+        or another session holds (never written into); None when no page can be had (compute them instead)."""
+        self.cache.hold([page])  # keeps it alive while `alloc` evicts
+        try:
+            (copy,) = self.cache.alloc(1)
+        except OutOfPages:
+            return None
+        else:
+            self.pool.copy_steps(page, copy, steps)
+            self.stats.copied_steps += steps
+            return copy
+        finally:
+            self.cache.release([page])

@@ -1,0 +1,77 @@
+"""ModelRunner: one round's batched forward over the page pool (CUDA graphs or eager), and sampling."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+import torch
+
+from cache import PagePool
+from s2s.batch import PagedBatch
+from s2s.cuda_graphs import DecodeGraphs
+from s2s.model import S2SModel
+from s2s.sampling import sample
+from s2s.scheduler import Work
+from s2s.session import Session
+
+
+class ModelRunner:
+    def __init__(self, model: S2SModel, pool: PagePool, max_batch: int, cuda_graphs: bool):
+        self.model, self.pool = model, pool
+        self.device = pool.k[0].device
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda":
+            max_pages = math.ceil(model.config.max_position_embeddings / pool.page_size)
+            self.graphs = DecodeGraphs(model, pool.k, pool.v, pool.page_size, max_batch, max_pages=max_pages)
+        if self.device.type == "cuda":
+            with self.on_device():
+                self.warm_up_prefill()
+
+    def on_device(self) -> contextlib.AbstractContextManager:
+        """The pool's GPU as the thread's current one: Triton launches and CUDA graphs go to the current device,
+        which is per thread and cuda:0 unless set."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+
+    @torch.inference_mode()
+    def warm_up_prefill(self) -> None:
+        """Run the attention kernel's prefill variants once, storing nothing: Triton builds a kernel the first time
+        it sees a tile shape, which takes seconds, and a turn's prefill in service must not wait for it (decode
+        rounds warm up with the graphs and in calibration). The tile's rows are new steps per sequence times the
+        query heads sharing a K/V head, rounded to 16, 32 or 64: these three step counts reach each of them."""
+        ps, cfg = self.pool.page_size, self.model.config
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        for steps in (1, max(1, 32 // group), 64):
+            batch = PagedBatch(
+                positions=torch.arange(steps, device=self.device),
+                slot_mapping=torch.full((steps,), -1, dtype=torch.long, device=self.device),
+                page_table=torch.zeros(1, -(-steps // ps), dtype=torch.int32, device=self.device),
+                cu_seqlens_q=torch.tensor([0, steps], dtype=torch.int32, device=self.device),
+                seqlens_k=torch.tensor([steps], device=self.device),
+                page_size=ps,
+                cached_lens=[0],
+                new_lens=[steps],
+                pages=[[0] * -(-steps // ps)],
+            )
+            tokens = torch.zeros(steps, cfg.step_width, dtype=torch.long, device=self.device)
+            self.model.forward_paged(tokens, batch, self.pool.k, self.pool.v)
+
+    def forward(self, work: list[Work]) -> torch.Tensor:
+        """Logits `[len(work), K, V]` of each piece of work's last step; K/V of every step go into its pages."""
+        sessions = [w.session for w in work]
+        tokens = np.concatenate([w.tokens for w in work])
+        pages = [s.pages for s in sessions]
+        if self.graphs is not None and len(tokens) == len(work) and self.graphs.fits(len(work), pages):
+            return self.graphs.run(tokens, [s.computed for s in sessions], pages)
+        batch = PagedBatch.build(
+            [s.computed for s in sessions], [len(w.tokens) for w in work], pages, self.pool.page_size, self.device
+        )
+        device_tokens = torch.from_numpy(tokens).to(self.device)
+        return self.model.forward_paged(device_tokens, batch, self.pool.k, self.pool.v).logits
+
+    def sample(self, sessions: list[Session]) -> np.ndarray:
+        """The next step's codes `[len(sessions), K]` from each session's last logits, with its own generator."""
+        logits = torch.stack([s.last_logits for s in sessions])
+        params, generators = [s.sampling for s in sessions], [s.generator for s in sessions]
+        return sample(logits, params, generators, self.model.config.pad_id).cpu().numpy()

@@ -1,0 +1,97 @@
+"""Registry: the callers' side of the engine. Which sessions are open, their codec rows, which closed ones can still
+be resumed, and admission; any thread, under one lock that no tick holds."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+
+from s2s.config import ModelConfig
+from s2s.metrics import EngineStats
+from s2s.sampling import SamplingParams
+from s2s.scheduler import Admission
+from s2s.session import Session
+
+
+class Refused(RuntimeError):
+    """The engine cannot take this conversation now (full, or it would make admitted ones miss deadlines)."""
+
+
+class Registry:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        admission: Admission,
+        rows: int,
+        ttl_s: float,
+        stats: EngineStats,
+        clock: Callable[[], float],
+        forget: Callable[[str], None],
+    ):
+        self.model_config, self.admission, self.ttl_s, self.stats, self.clock = (
+            model_config,
+            admission,
+            ttl_s,
+            stats,
+            clock,
+        )
+        self.forget = forget  # told of a closed session that can no longer be resumed
+        self._lock = threading.Lock()
+        self._open: dict[str, Session] = {}
+        self._resumable: dict[str, float] = {}  # closed session -> when
+        self._free_rows = list(range(rows - 1, -1, -1))
+        self._ids = itertools.count()
+
+    def admit(self, mode: str, sampling: SamplingParams, session_id: str | None, resume: bool, admit: bool) -> Session:
+        """A new session with a codec row, or `Refused` with the reason (`admit=False`: no cost check)."""
+        if mode not in ("duplex", "turn"):
+            raise ValueError(f"mode must be duplex or turn, got {mode!r}")
+        with self._lock:
+            self._forget_expired()
+            if resume and session_id not in self._resumable:
+                raise KeyError(f"no closed session {session_id!r} to resume (never opened, or older than the TTL)")
+            if session_id in self._open:
+                raise ValueError(f"session {session_id!r} is already open")
+            reason = self.admission.problem(len(self._open)) if admit else None
+            if reason is None and not self._free_rows:
+                reason = f"the engine holds its maximum of {len(self._open)} conversations (one a codec row)"
+            if reason:
+                self.stats.refused += 1
+                raise Refused(reason)
+            cid = session_id or f"s{next(self._ids)}"
+            s = Session(cid, mode, self.model_config, sampling, self._free_rows.pop(), self.clock())
+            self._open[cid] = s
+            self._resumable.pop(cid, None)
+            return s
+
+    def get(self, cid: str) -> Session:
+        s = self._open.get(cid)
+        if s is None:
+            raise KeyError(f"no open session {cid!r}")
+        return s
+
+    def fed(self, cid: str, kind: str) -> Session:
+        """The session, which is fed `kind` (audio or codes, fixed by its first push)."""
+        s = self.get(cid)
+        if s.input_kind is None:
+            s.input_kind = kind
+        if s.input_kind != kind:
+            raise ValueError(f"session {cid!r} is fed {s.input_kind}, not {kind}")
+        return s
+
+    def close(self, cid: str, resumable: bool = True) -> Session:
+        """The session leaves; its row is free for the next (whose open the engine applies after this close)."""
+        with self._lock:
+            s = self.get(cid)
+            del self._open[cid]
+            if resumable:
+                self._resumable[cid] = self.clock()
+            self._free_rows.append(s.row)
+            return s
+
+    def _forget_expired(self) -> None:
+        now = self.clock()
+        for cid in [c for c, t in self._resumable.items() if now - t > self.ttl_s]:
+            del self._resumable[cid]
+            self.forget(cid)
