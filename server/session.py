@@ -17,7 +17,7 @@ from server.connection import Connection
 from server.vad import VadConfig
 
 if TYPE_CHECKING:
-    from s2s.engine import CodesEvent, EventQueue
+    from s2s.events import CodesEvent, EventQueue
 
 
 async def events(q: EventQueue) -> AsyncIterator[AudioEvent | CodesEvent | MetaEvent]:
@@ -61,22 +61,23 @@ class EngineSession:
         sampling: SamplingParams,
         vad: VadConfig,
     ) -> EngineSession:
-        """Open the conversation (or raise `Refused`) and start sending its events."""
-        cid = await asyncio.to_thread(engine.open, mode, prompt=voice, sampling=sampling)
+        """Open the conversation (or raise `Refused`) and start sending its events. Engine calls never wait for a
+        tick: they are made on the event loop."""
+        cid = engine.open(mode, prompt=voice, sampling=sampling)
         return cls(engine, cid, mode, vad, conn)
 
     async def barge_in(self, played_frames: int) -> None:
-        await asyncio.to_thread(self.engine.interrupt, self.cid, played_frames)
+        self.engine.interrupt(self.cid, played_frames)
 
     def audio(self, pcm: np.ndarray) -> None:
         self.engine.push_audio(self.cid, pcm)
 
     async def end_turn(self) -> None:
         if self.mode == "turn":  # a duplex stream has no turns to end
-            await asyncio.to_thread(self.engine.end_turn, self.cid)
+            self.engine.end_turn(self.cid)
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.engine.close, self.cid)
+        self.engine.close(self.cid)
         await asyncio.wait_for(self._sender, 5)
 
     async def _send(self, conn: Connection) -> None:

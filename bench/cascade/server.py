@@ -149,10 +149,10 @@ class CascadeSession:
         try:
             stt = server.stt.open()  # first, and before any await: connections arriving together see each other's
             for engine in engines:
-                opened.append((engine, await asyncio.to_thread(engine.open, "turn", sampling=sampling)))
+                opened.append((engine, engine.open("turn", sampling=sampling)))
         except BaseException as e:  # a refusal, or anything else: what was opened is given back
             for engine, cid in opened:
-                await asyncio.to_thread(engine.close, cid)
+                engine.close(cid)
             if stt is not None:
                 await stt.close()
             if isinstance(e, AtCapacity):
@@ -179,7 +179,7 @@ class CascadeSession:
         self.stt_in.put_nowait(None)  # the transcriber ends after what it holds: its decoder is then free
         await self.transcriber
         for engine, cid in self.opened:
-            await asyncio.to_thread(engine.close, cid)
+            engine.close(cid)
         await self.stt.close()
 
     async def _transcribe(self) -> None:
@@ -227,7 +227,7 @@ class CascadeSession:
         engine = self.server.text_engine
         data = np.frombuffer((text or " ").encode(), dtype=np.uint8).astype(np.int64)[None]  # never an empty prompt
         engine.push_codes(self.text_cid, data)
-        await asyncio.to_thread(engine.end_turn, self.text_cid)
+        engine.end_turn(self.text_cid)
         phrases: asyncio.Queue[str | None] = asyncio.Queue()
         speaker = asyncio.create_task(self._speak(phrases, times, text))
         try:
@@ -277,7 +277,7 @@ class CascadeSession:
         engine, cid = self.server.engine, self.speech_cid
         codes = np.frombuffer(phrase.encode(), dtype=np.uint8).astype(np.int64)
         engine.push_codes(cid, np.repeat(codes[None], engine.model.config.num_codebooks, axis=0))
-        await asyncio.to_thread(engine.end_turn, cid)
+        engine.end_turn(cid)
         target, got, turn = max(1, round(len(phrase) * FRAMES_PER_CHAR)), 0, None
         async for event in events(engine.event_queue(cid)):
             if event.turn <= self.speech_turn:
@@ -288,7 +288,7 @@ class CascadeSession:
                 got += take
                 yield event.pcm[: take * 320]
                 if got >= target:
-                    await asyncio.to_thread(engine.interrupt, cid, target)
+                    engine.interrupt(cid, target)
                     break
             elif isinstance(event, MetaEvent) and event.data.get("event") == "reply_done":
                 break

@@ -1,5 +1,5 @@
 """What the prefix bench reads of an `Engine` beyond its calls and `engine.stats`: kept here, in one place, so that a
-rename inside the engine (`convs`, `pool`) is one edit."""
+rename inside the engine (`sessions`, `pool`) is one edit."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from s2s.engine import Engine
 
 def session_ids(engine: Engine) -> list[str]:
     """The open conversations' ids, copied (the caller may close some while it goes through them)."""
-    return list(engine.convs)
+    return list(engine.sessions)
 
 
 def prefill_pending(engine: Engine, cid: str) -> bool:
-    """Whether conversation `cid` has known steps its K/V does not hold yet."""
-    return len(engine.convs[cid].ready_steps(1)) > 0
+    """Whether conversation `cid` has known steps its K/V does not hold yet (or is not taken in by a tick yet)."""
+    s = engine.sessions.get(cid)
+    return s is None or len(s.ready_steps(1)) > 0
 
 
 def pages_held(engine: Engine) -> int:
