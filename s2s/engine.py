@@ -92,9 +92,8 @@ class Engine:
         self.sessions: dict[str, Session] = {}  # live, in the order they opened: the engine thread's alone
         self.voices: dict[str, np.ndarray] = {}  # named voice prompts (codes [K, P])
         self._snapshots: dict[str, dict] = {}  # closed sessions' context, for resume (the engine thread's)
-        forget = lambda cid: self._commands.put(functools.partial(self._snapshots.pop, cid, None))  # noqa: E731
         self.registry = Registry(
-            mcfg, self.admission, cfg.max_conversations, cfg.session_ttl_s, self.stats, clock, forget
+            mcfg, self.admission, cfg.max_conversations, cfg.session_ttl_s, self.stats, clock, self._forget_snapshot
         )
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -140,13 +139,13 @@ class Engine:
         if self.tok is None:
             raise ValueError("this engine has no codec: feed it codes with push_codes")
         s = self.registry.fed(cid, "audio")
-        self._commands.put(functools.partial(s.pending.append, np.asarray(pcm, dtype=np.float32).reshape(-1)))
+        self._commands.put(functools.partial(self._apply_input, s, np.asarray(pcm, dtype=np.float32).reshape(-1)))
 
     def push_codes(self, cid: str, codes: np.ndarray | torch.Tensor) -> None:
         """User frames given as codes `[K, n]` (ids below `codebook_size`), taken in the next tick as they are: the
         input of a codec-free engine, or text bytes fed to a speech model as its user stream."""
         codes = self.model.config.checked_codes(codes, "codes")
-        self._commands.put(functools.partial(self.registry.fed(cid, "codes").pending.append, codes))
+        self._commands.put(functools.partial(self._apply_input, self.registry.fed(cid, "codes"), codes))
 
     def end_turn(self, cid: str) -> None:
         """Turn mode: the user finished speaking; the reply starts once their audio is in."""
@@ -335,6 +334,10 @@ class Engine:
         self.sessions[s.id] = s
         if not s.turns and (s.mode == "duplex" or s.prompt_frames):
             s.turns.append(Turn(0, s.prompt_frames))
+
+    def _apply_input(self, s: Session, data: np.ndarray) -> None:
+        if self.sessions.get(s.id) is s:  # not one whose open failed
+            s.pending.append(data)
 
     def _apply_close(self, s: Session) -> None:
         if self.sessions.pop(s.id, None) is s:

@@ -1,5 +1,5 @@
 """Registry: the callers' side of the engine. Which sessions are open, their codec rows, which closed ones can still
-be resumed, and admission; any thread, under one lock that no tick holds."""
+be resumed, and admission. Any thread: changes are made under one lock that no tick holds."""
 
 from __future__ import annotations
 

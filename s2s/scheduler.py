@@ -120,8 +120,8 @@ class Scheduler:
         nothing needs its K/V soon. A user mid-utterance with nothing to compute until their next 80 ms block would
         recompute the whole conversation before their answer, so only a session someone is waiting on (its reply,
         or a live duplex stream: `urgent`) takes theirs; the recompute then partly hides behind the rest of their
-        speech. Otherwise vLLM's order, first come first served: the one opened last, if it opened after `s` (one
-        with no pages too: one preempted earlier whose user now speaks). The one opened last never preempts itself:
+        speech. Otherwise vLLM's order, first come first served: the one opened last, if it opened after `s` (`s`
+        may hold no pages: one preempted earlier whose user now speaks). The one opened last never preempts itself:
         every older session that needs its pages takes them, and it would only compute them again into the same
         short pool the next tick."""
         others = [o for o in sessions if o.pages and o is not s]

@@ -6,9 +6,10 @@ streams (`pad_id` before frame 0), so step t is known once user frame t - delays
 are, for every k. The forward over step t gives the logits of step t + 1; of those, only the (frame, codebook)
 pairs still unknown are sampled.
 
-The engine thread alone reads and writes a live session (callers on other threads reach it through the engine's
-command queue). Its pages and cache handle are `KVManager`'s to change; the turn lifecycle (a reply starts, is
-cut by a barge-in, ends, is regenerated) is here.
+The engine thread alone reads and writes a live session: callers on other threads reach it through the engine's
+command queue (`input_kind` and `events` aside: the first is set once, by the caller, before its first input command;
+the second is a thread-safe queue). Its pages and cache handle are `KVManager`'s to change; the turn lifecycle (a
+reply starts, is cut by a barge-in, ends, is regenerated) is here.
 """
 
 from __future__ import annotations
