@@ -210,8 +210,8 @@ class EncodecTokenizer:
 
     # ---- streaming ----------------------------------------------------------------------------------------------
 
-    def streaming_encoder(self, batch_size: int) -> StreamingEncoder:
-        return StreamingEncoder(self, batch_size)
+    def streaming_encoder(self, batch_size: int, batch_invariant: bool = False) -> StreamingEncoder:
+        return StreamingEncoder(self, batch_size, batch_invariant)
 
-    def streaming_decoder(self, batch_size: int) -> StreamingDecoder:
-        return StreamingDecoder(self, batch_size)
+    def streaming_decoder(self, batch_size: int, batch_invariant: bool = False) -> StreamingDecoder:
+        return StreamingDecoder(self, batch_size, batch_invariant)

@@ -1,4 +1,4 @@
-"""Attention over paged K/V: Triton on CUDA, a torch reference elsewhere."""
+"""Attention over paged K/V: Triton on CUDA, C++ and torch on CPU; `batch_invariant`: its batch-invariant kernels."""
 
 from kernels.attention import paged_attention, set_backend, store_kv
 

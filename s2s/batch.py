@@ -65,17 +65,19 @@ class PagedBatch:
     def num_seqs(self) -> int:
         return len(self.new_lens)
 
-    def pages_out_of_window(self, window: int | None) -> list[list[int]]:
-        """Per sequence, the pages that left its attention window in this step (none without a window).
-
-        After this step the next query sits at position L = cached + new and sees keys > L - window, so a page whose
-        last position is <= L - window is no longer read.
-        """
-        if window is None:
-            return [[] for _ in self.pages]
-        out = []
-        for cached, new, table in zip(self.cached_lens, self.new_lens, self.pages, strict=True):
-            before = max(0, (cached - window + 1) // self.page_size)
-            after = max(0, (cached + new - window + 1) // self.page_size)
-            out.append(list(table[before:after]))
-        return out
+    def per_query(self) -> PagedBatch:
+        """The same new steps, each as a one-step sequence of its own that sees the keys up to its position: the
+        decode form, in which attention computes a query the same way whatever chunk or batch it came in."""
+        q_lens = self.cu_seqlens_q[1:] - self.cu_seqlens_q[:-1]
+        seqs = [s for s, n in enumerate(self.new_lens) for _ in range(n)]
+        return PagedBatch(
+            positions=self.positions,
+            slot_mapping=self.slot_mapping,
+            page_table=self.page_table.repeat_interleave(q_lens, dim=0),
+            cu_seqlens_q=torch.arange(len(seqs) + 1, dtype=self.cu_seqlens_q.dtype, device=self.positions.device),
+            seqlens_k=self.positions + 1,
+            page_size=self.page_size,
+            cached_lens=self.positions.tolist(),
+            new_lens=[1] * len(seqs),
+            pages=[self.pages[s] for s in seqs],
+        )

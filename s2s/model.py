@@ -5,11 +5,14 @@ loads its state dict and a Llama checkpoint can initialise it. Two paths share t
 - `Backbone.forward(inputs_embeds)`: full causal attention without a cache (the reference);
 - `Backbone.forward_paged(x, batch, k_caches, v_caches)`: a flattened batch of sequences that decode or extend on top
   of K/V held in pages (`s2s.batch.PagedBatch`), through `kernels.store_kv` and `kernels.paged_attention`.
+  With `batch_invariant=True` the matmuls and attention go through `kernels.batch_invariant`: each step's K/V and
+  hidden state are then the same bits whatever batch, chunk or position in the batch it was computed in.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,9 +21,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from kernels import batch_invariant as invariant
 from kernels import paged_attention, store_kv
 from s2s.batch import PagedBatch
 from s2s.config import ModelConfig
+
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> x @ weight.T
+
+
+def _linear(batch_invariant: bool) -> Linear:
+    return invariant.linear if batch_invariant else F.linear
 
 
 class RMSNorm(nn.Module):
@@ -71,11 +81,11 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, linear: Linear = F.linear):
         shape = x.shape[:-1]
-        q = apply_rotary(self.q_proj(x).view(*shape, self.heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(*shape, self.kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(*shape, self.kv_heads, self.head_dim)
+        q = apply_rotary(linear(x, self.q_proj.weight).view(*shape, self.heads, self.head_dim), cos, sin)
+        k = apply_rotary(linear(x, self.k_proj.weight).view(*shape, self.kv_heads, self.head_dim), cos, sin)
+        v = linear(x, self.v_proj.weight).view(*shape, self.kv_heads, self.head_dim)
         return q, k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -97,11 +107,15 @@ class Attention(nn.Module):
         batch: PagedBatch,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        batch_invariant: bool = False,
     ) -> torch.Tensor:
-        """x `[N, H]`: store this batch's K/V in its slots, then attend over each sequence's pages."""
-        q, k, v = self._qkv(x, cos, sin)
+        """x `[N, H]`: store this batch's K/V in its slots, then attend over each sequence's pages. With
+        `batch_invariant`, `batch` must be in decode form (`PagedBatch.per_query`)."""
+        linear = _linear(batch_invariant)
+        q, k, v = self._qkv(x, cos, sin, linear)
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        out = paged_attention(
+        attend = invariant.paged_attention if batch_invariant else paged_attention
+        out = attend(
             q,
             k_cache,
             v_cache,
@@ -111,7 +125,7 @@ class Attention(nn.Module):
             causal=True,
             sliding_window=self.window,
         )
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        return linear(out.reshape(x.shape[0], -1), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -121,8 +135,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
+        hidden = F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight)
+        return linear(hidden, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -133,8 +148,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def _mlp_block(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def _mlp_block(self, x: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
+        return x + self.mlp(self.post_attention_layernorm(x), linear)
 
 
 class Backbone(nn.Module):
@@ -156,22 +171,29 @@ class Backbone(nn.Module):
         return self.norm(x)
 
     def forward_paged(
-        self, x: torch.Tensor, batch: PagedBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
+        self,
+        x: torch.Tensor,
+        batch: PagedBatch,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        batch_invariant: bool = False,
     ) -> torch.Tensor:
         """`[N, H]` new steps of a flattened batch -> hidden `[N, H]`, K/V read and written through pages."""
         if len(k_caches) != len(self.layers) or len(v_caches) != len(self.layers):
             raise ValueError(f"need K and V caches for {len(self.layers)} layers")
+        if batch_invariant:
+            invariant.check(x)
+            batch = batch.per_query()
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
-        for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches, strict=True):
-            x = x + layer.self_attn.forward_paged(layer.input_layernorm(x), cos, sin, batch, k_cache, v_cache)
-            x = layer._mlp_block(x)
+        for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True):
+            x = x + layer.self_attn.forward_paged(layer.input_layernorm(x), cos, sin, batch, k, v, batch_invariant)
+            x = layer._mlp_block(x, _linear(batch_invariant))
         return self.norm(x)
 
 
 @dataclass
 class StepOutput:
     logits: torch.Tensor  # [S, K, vocab] for each sequence's last new step: the model stream's next step
-    dropped_pages: list[list[int]]  # per sequence, pages that left its sliding window in this step
 
 
 class S2SModel(nn.Module):
@@ -215,23 +237,35 @@ class S2SModel(nn.Module):
         out = F.embedding_bag(flat, self.embeddings.view(-1, cfg.hidden_size), mode="sum")
         return out.view(*tokens.shape[:-1], cfg.hidden_size)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
         """Hidden `[..., H]` -> `[..., K, vocab]`."""
-        return torch.einsum("...h,kvh->...kv", hidden, self.heads)
+        flat = linear(hidden, self.heads.view(-1, self.config.hidden_size))
+        return flat.view(*hidden.shape[:-1], *self.heads.shape[:2])
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Reference, no cache: step tokens `[B, T, 2K]` -> logits `[B, T, K, vocab]` for each next step."""
         return self.logits(self.backbone(self.embed(tokens)))
 
     def forward_paged(
-        self, tokens: torch.Tensor, batch: PagedBatch, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]
+        self,
+        tokens: torch.Tensor,
+        batch: PagedBatch,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        batch_invariant: bool = False,
     ) -> StepOutput:
-        """Flattened step tokens `[N, 2K]` of a PagedBatch -> next-step logits of each sequence."""
+        """Flattened step tokens `[N, 2K]` of a PagedBatch -> next-step logits of each sequence.
+
+        `batch_invariant=True` (CPU, fp32): the K/V each step stores and the logits of each sequence's last step
+        are bitwise the same whatever else is in the batch, the step's position in it, and the chunks its sequence
+        was computed in (one step at a time, one chunk, several), at a fixed thread count. Slower; see
+        `kernels/batch_invariant.py`.
+        """
         if tokens.shape[0] != batch.positions.shape[0]:
             raise ValueError(f"{tokens.shape[0]} tokens for a batch of {batch.positions.shape[0]}")
-        hidden = self.backbone.forward_paged(self.embed(tokens), batch, k_caches, v_caches)
+        hidden = self.backbone.forward_paged(self.embed(tokens), batch, k_caches, v_caches, batch_invariant)
         last = hidden[batch.cu_seqlens_q[1:].long() - 1]
-        return StepOutput(self.logits(last), batch.pages_out_of_window(self.config.sliding_window))
+        return StepOutput(self.logits(last, _linear(batch_invariant)))
 
     # ---- weights on disk ---------------------------------------------------------------------------------------
 
