@@ -8,6 +8,8 @@ The driver paces ticks to the wall clock, as the engine thread does. Both system
 codec path, scheduler, sampling and admission control (calibrated on their own tick times); they differ only in the
 model step:
 - engine: one batched `S2SModel.forward_paged` over all conversations, K/V in radix-cache pages;
+- engine, deterministic: the same in `EngineConfig(deterministic=True)` (batch-invariant kernels, the codec a row
+  and a frame a call): what that mode costs;
 - transformers loop: for each conversation, `LlamaModel` (sdpa) with its own `DynamicCache`, our embeddings and
   heads around it (what a server built on transformers does without a batching engine).
 Same seeded weights (small preset). A deadline miss is an output frame sent later than its playback time (counted
@@ -32,34 +34,41 @@ from bench.common import SENTENCES, environment, parser, peak_rss_bytes, percent
 from codec import EncodecTokenizer
 from s2s import ModelConfig, S2SModel, SamplingParams
 from s2s.engine import FRAME_S, AudioEvent, Engine, EngineConfig, Refused
+from s2s.model_runner import ModelRunner
 from server.speech import speech, synthesize
+
+
+class TransformersRunner(ModelRunner):
+    """The engine's model step as a per-conversation transformers loop: each session keeps its own `DynamicCache`."""
+
+    def __init__(self, model: S2SModel, *args) -> None:
+        super().__init__(model, *args)
+        self.llama = LlamaModel(model.config.to_llama_config()).eval()
+        self.llama.config._attn_implementation = "sdpa"
+        self.llama.load_state_dict(model.backbone.state_dict(), strict=False)
+
+    def forward(self, work) -> torch.Tensor:
+        logits = []
+        for w in work:
+            s = w.session
+            if not hasattr(s, "hf_cache"):
+                s.hf_cache = DynamicCache(config=self.llama.config)
+            if s.hf_cache.get_seq_length() != s.computed:
+                s.hf_cache.crop(s.computed)
+            x = self.model.embed(torch.from_numpy(w.tokens))[None]
+            pos = torch.arange(s.computed, s.computed + len(w.tokens))[None]
+            hidden = self.llama(inputs_embeds=x, past_key_values=s.hf_cache, position_ids=pos, use_cache=True)
+            logits.append(self.model.logits(hidden.last_hidden_state[0, -1]))
+        return torch.stack(logits)
 
 
 class TransformersLoop(Engine):
     """The same engine with its model step replaced by a per-conversation transformers loop."""
 
-    def __init__(self, model: S2SModel, tok: EncodecTokenizer, config: EngineConfig):
-        self.llama = LlamaModel(model.config.to_llama_config()).eval()
-        self.llama.config._attn_implementation = "sdpa"
-        self.llama.load_state_dict(model.backbone.state_dict(), strict=False)
-        self.hf_caches: dict[str, DynamicCache] = {}
-        super().__init__(model, tok, config)  # calibrates, so the loop must exist first
+    runner_class = TransformersRunner
 
-    def _detach(self, conv) -> None:
-        self.hf_caches.pop(conv.id, None)
-        super()._detach(conv)
 
-    def _forward(self, work) -> None:
-        for w in work:
-            conv = w.conv
-            cache = self.hf_caches.setdefault(conv.id, DynamicCache(config=self.llama.config))
-            if cache.get_seq_length() != conv.computed:
-                cache.crop(conv.computed)
-            x = self.model.embed(torch.from_numpy(w.tokens))[None]
-            pos = torch.arange(conv.computed, conv.computed + len(w.tokens))[None]
-            hidden = self.llama(inputs_embeds=x, past_key_values=cache, position_ids=pos, use_cache=True)
-            conv.computed += len(w.tokens)
-            conv.last_logits = self.model.logits(hidden.last_hidden_state[0, -1])
+SYSTEMS = ("engine", "engine, deterministic", "transformers loop")
 
 
 def clips() -> list[np.ndarray]:
@@ -167,15 +176,16 @@ def main(argv: list[str] | None = None) -> None:
     model = S2SModel.from_seed(ModelConfig.preset("small", num_codebooks=tok.num_codebooks), seed=0)
     voices = clips()
     rows = []
-    grid = [(n, s) for n in levels for s in ("engine", "transformers loop")]
+    grid = [(n, s) for n in levels for s in SYSTEMS]
     for n, system in tqdm(grid, desc="engine sweep", file=sys.stderr):
         cfg = EngineConfig(
-            cache_mode="radix" if system == "engine" else "paged",
+            cache_mode="paged" if system == "transformers loop" else "radix",
             num_pages=8192,
             max_conversations=max(levels),
             frames_per_tick=args.frames_per_tick,
+            deterministic=system == "engine, deterministic",
         )
-        engine = Engine(model, tok, cfg) if system == "engine" else TransformersLoop(model, tok, cfg)
+        engine = TransformersLoop(model, tok, cfg) if system == "transformers loop" else Engine(model, tok, cfg)
         row = run(engine, n, seconds, voices)
         rows.append(
             {
@@ -187,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
             }
         )
     tables = print_table(
-        "Duplex sweep: this engine vs a transformers loop (same weights, same codec path)",
+        "Duplex sweep: this engine, in deterministic mode, and a transformers loop (same weights, same codec path)",
         rows,
         [
             ("system", "system"),

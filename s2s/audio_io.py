@@ -28,9 +28,11 @@ class AudioIO:
         jitter_buffer_s: float,
         stats: EngineStats,
         clock: Callable[[], float],
+        batch_invariant: bool,
     ):
-        self.encoder = tokenizer.streaming_encoder(rows) if tokenizer else None
-        self.decoder = tokenizer.streaming_decoder(rows) if tokenizer else None
+        """`batch_invariant`: the codec computes each row alone, a frame a call (`codec/streaming.py`)."""
+        self.encoder = tokenizer.streaming_encoder(rows, batch_invariant) if tokenizer else None
+        self.decoder = tokenizer.streaming_decoder(rows, batch_invariant) if tokenizer else None
         self.codebook_size, self.jitter_buffer_s, self.stats, self.clock = codebook_size, jitter_buffer_s, stats, clock
         if tokenizer is not None:
             silence = tokenizer.encode(np.zeros(320 * 16, dtype=np.float32))[0, :, -1]

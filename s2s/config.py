@@ -160,6 +160,7 @@ class EngineConfig:
     admission_headroom: float = 0.75  # admit while the predicted tick time stays under this share of tick_s
     calibration_ticks: int = 16  # ticks run at start on 1, 2 and 4 silent duplex conversations to seed the cost model
     cuda_graphs: bool = True  # on a GPU, replay single-step rounds from CUDA graphs (vLLM's default; off: eager)
+    deterministic: bool = False  # a reply depends only on its seed, input and weights: not on batch, chunks or cache
 
     def __post_init__(self) -> None:
         if self.frames_per_tick < 1:

@@ -52,6 +52,8 @@ class EngineSnapshot:
 
 
 class Engine:
+    runner_class: type[ModelRunner] = ModelRunner  # what computes a round (`s2s bench engine` swaps in a baseline)
+
     def __init__(
         self,
         model: S2SModel,
@@ -80,9 +82,10 @@ class Engine:
         self.stats = EngineStats()
         self.kv = KVManager(self.pool, cfg.cache_mode, cfg.max_context, self.stats)
         self.cache = self.kv.cache
-        self.runner = ModelRunner(model, self.pool, cfg.max_conversations, cfg.cuda_graphs)
+        self.runner = self.runner_class(model, self.pool, cfg.max_conversations, cfg.cuda_graphs, cfg.deterministic)
+        rows = cfg.max_conversations
         self.audio = AudioIO(
-            tokenizer, cfg.max_conversations, mcfg.codebook_size, cfg.jitter_buffer_s, self.stats, clock
+            tokenizer, rows, mcfg.codebook_size, cfg.jitter_buffer_s, self.stats, clock, cfg.deterministic
         )
         page_size = cfg.page_size if self.cache.shares_prefixes else None
         self.scheduler = Scheduler(cfg.prefill_budget, cfg.background_budget, page_size)

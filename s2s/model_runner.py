@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from cache import PagePool
+from kernels import batch_invariant as batch_invariant_kernels
 from s2s.batch import PagedBatch
 from s2s.cuda_graphs import DecodeGraphs
 from s2s.model import S2SModel
@@ -18,11 +19,16 @@ from s2s.session import Session
 
 
 class ModelRunner:
-    def __init__(self, model: S2SModel, pool: PagePool, max_batch: int, cuda_graphs: bool):
-        self.model, self.pool = model, pool
+    """`batch_invariant`: every forward through the batch-invariant kernels (`kernels/batch_invariant.py`), so that a
+    step's logits and K/V do not depend on what else is in its batch or on its chunk; no CUDA graphs."""
+
+    def __init__(self, model: S2SModel, pool: PagePool, max_batch: int, cuda_graphs: bool, batch_invariant: bool):
+        self.model, self.pool, self.batch_invariant = model, pool, batch_invariant
         self.device = pool.k[0].device
+        if batch_invariant:
+            batch_invariant_kernels.check(pool.k[0])
         self.graphs = None
-        if cuda_graphs and self.device.type == "cuda":
+        if cuda_graphs and not batch_invariant and self.device.type == "cuda":
             max_pages = math.ceil(model.config.max_position_embeddings / pool.page_size)
             self.graphs = DecodeGraphs(model, pool.k, pool.v, pool.page_size, max_batch, max_pages=max_pages)
         if self.device.type == "cuda":
@@ -68,7 +74,8 @@ class ModelRunner:
             [s.computed for s in sessions], [len(w.tokens) for w in work], pages, self.pool.page_size, self.device
         )
         device_tokens = torch.from_numpy(tokens).to(self.device)
-        return self.model.forward_paged(device_tokens, batch, self.pool.k, self.pool.v).logits
+        out = self.model.forward_paged(device_tokens, batch, self.pool.k, self.pool.v, self.batch_invariant)
+        return out.logits
 
     def sample(self, sessions: list[Session]) -> np.ndarray:
         """The next step's codes `[len(sessions), K]` from each session's last logits, with its own generator."""

@@ -117,6 +117,7 @@ def engine_of(args: argparse.Namespace) -> tuple[Engine, EncodecTokenizer]:
         admission_headroom=args.admission_headroom,
         jitter_buffer_s=args.jitter_buffer_ms / 1000 if args.jitter_buffer_ms else None,
         cuda_graphs=not args.enforce_eager,
+        deterministic=args.deterministic,
     )
     engine = Engine(model, tok, cfg)
     for name, codes in (load_prompts(args.prompts, tok) if args.prompts else {}).items():
@@ -142,6 +143,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice, one per core)")
     p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (auto: the first CUDA GPU, else the CPU)")
     p.add_argument("--enforce-eager", action="store_true", help="on a GPU, run decode rounds without CUDA graphs")
+    p.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="a reply depends only on its seed, input and weights, not on load, chunking or cache mode (CPU fp32)",
+    )
     p.add_argument(
         "--dtype",
         default="auto",
