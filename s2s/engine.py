@@ -18,19 +18,18 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from cache import CacheStats, OutOfPages, PagePool
+from cache import OutOfPages, PagePool
 from codec import EncodecTokenizer
 from s2s.audio_io import AudioIO
 from s2s.calibration import calibrate
 from s2s.config import FRAME_S, EngineConfig
 from s2s.events import AudioEvent, CodesEvent, EventQueue, MetaEvent
 from s2s.kv_manager import KVManager
-from s2s.metrics import CostModel, EngineStats
+from s2s.metrics import CostModel, EngineSnapshot, EngineStats
 from s2s.model import S2SModel
 from s2s.model_runner import ModelRunner
 from s2s.registry import Refused, Registry
@@ -39,16 +38,6 @@ from s2s.scheduler import Admission, Scheduler, Work
 from s2s.session import Phase, Session, Turn
 
 __all__ = ["FRAME_S", "AudioEvent", "CodesEvent", "Engine", "EngineConfig", "EngineSnapshot", "MetaEvent", "Refused"]
-
-
-@dataclass(frozen=True)
-class EngineSnapshot:
-    """The engine as the last tick left it: what readers on other threads (/metrics) see."""
-
-    conversations: int
-    cache: CacheStats
-    stats: EngineStats
-    sessions: list[dict]
 
 
 class Engine:

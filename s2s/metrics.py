@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cache import CacheStats
+
 
 class CostModel:
     """tick seconds ~ a + r * rounds + b * decode steps + c * prefill steps, least squares over the recent ticks.
@@ -124,3 +126,13 @@ class EngineStats:
             "conversations": conversations,
             "cache": cache,
         }
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine as the last tick left it: what readers on other threads (/metrics) see."""
+
+    conversations: int
+    cache: CacheStats
+    stats: EngineStats
+    sessions: list[dict]
