@@ -25,7 +25,13 @@ from bench.common import environment, parser, print_table, save_outputs
 from codec import EncodecTokenizer, streaming
 from s2s import Engine, EngineConfig, ModelConfig, S2SModel, SamplingParams
 
-PHASES = {"_encode": "encode", "_forward": "forward", "_sample": "sample", "_decode_audio": "decode"}
+# (engine component, method): phase
+PHASES = {
+    ("audio", "encode"): "encode",
+    ("runner", "forward"): "forward",
+    ("runner", "sample"): "sample",
+    ("audio", "decode"): "decode",
+}
 FRAMES_PER_TICK = 4
 
 
@@ -58,8 +64,9 @@ def count(preset: str, conversations: int, ticks: int) -> dict:
     model = S2SModel.from_seed(ModelConfig.preset(preset, num_codebooks=tok.num_codebooks), seed=0)
     engine = Engine(model, tok, EngineConfig(calibration_ticks=0, frames_per_tick=FRAMES_PER_TICK))
     stack, counts = ["other"], collections.Counter()
-    for method, label in PHASES.items():
-        setattr(engine, method, _labelled(getattr(engine, method), label, stack))
+    for (part, method), label in PHASES.items():
+        component = getattr(engine, part)
+        setattr(component, method, _labelled(getattr(component, method), label, stack))
     lstm = streaming._LSTM.stepped
     streaming._LSTM.stepped = _labelled(lstm, "codec LSTM", stack)
     try:

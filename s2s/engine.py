@@ -79,8 +79,9 @@ class Engine:
         page_size = cfg.page_size if self.cache.shares_prefixes else None
         self.scheduler = Scheduler(cfg.prefill_budget, cfg.background_budget, page_size)
         self.cost = CostModel()
-        max_sessions = min(cfg.max_conversations, self.kv.capacity or cfg.max_conversations)
-        self.admission = Admission(self.cost, max_sessions, cfg.frames_per_tick, cfg.admission_headroom)
+        self.admission = Admission(
+            self.cost, cfg.max_conversations, self.kv.capacity, cfg.frames_per_tick, cfg.admission_headroom
+        )
         self.sessions: dict[str, Session] = {}  # live, in the order they opened: the engine thread's alone
         self.voices: dict[str, np.ndarray] = {}  # named voice prompts (codes [K, P])
         self._snapshots: dict[str, dict] = {}  # closed sessions' context, for resume (the engine thread's)

@@ -145,14 +145,22 @@ class Admission:
     them may reply at once (counting only duplex let 16 turn sessions starve together). An idle engine always admits
     one: nothing else would ever correct a pessimistic cost model."""
 
-    def __init__(self, cost: CostModel, max_sessions: int, frames_per_tick: int, headroom: float):
-        self.cost, self.max_sessions = cost, max_sessions
+    def __init__(
+        self, cost: CostModel, max_sessions: int, kv_capacity: int | None, frames_per_tick: int, headroom: float
+    ):
+        """`kv_capacity`: sessions whose pages, reserved at open, fit the pool (naive mode), or None (no bound)."""
+        self.cost, self.max_sessions, self.kv_capacity = cost, max_sessions, kv_capacity
         self.frames_per_tick, self.headroom = frames_per_tick, headroom
 
     def problem(self, sessions: int) -> str | None:
         """Why a session cannot be admitted beside `sessions` others, or None."""
         if sessions >= self.max_sessions:
             return f"the engine holds its maximum of {self.max_sessions} conversations"
+        if self.kv_capacity is not None and sessions >= self.kv_capacity:
+            return (
+                f"no K/V memory for another conversation: each reserves its whole context at open, and the pool "
+                f"holds {self.kv_capacity}"
+            )
         if not sessions:
             return None
         streams = sessions + 1

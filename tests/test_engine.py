@@ -638,3 +638,15 @@ def test_a_reply_short_of_pages_takes_a_speakers_and_the_speaker_recomputes_when
     for _ in range(5):
         engine.step()
     assert not s.dormant and s.computed == s.user_frames
+
+
+def test_naive_mode_refuses_at_open_what_its_reservations_cannot_hold(model, tok) -> None:
+    """Naive mode reserves a whole context at open: admission counts it, so a conversation the pool cannot hold is
+    refused by `open` itself (not failed later, inside a tick)."""
+    one = make(model, tok, "naive", num_pages=40, max_context=512)  # 39 usable pages, 32 a conversation
+    one.open("turn")
+    with pytest.raises(Refused, match="no K/V memory"):
+        one.open("turn")
+    none = make(model, tok, "naive", num_pages=20, max_context=512)
+    with pytest.raises(Refused, match="no K/V memory"):
+        none.open("turn")
