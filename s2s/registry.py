@@ -60,7 +60,8 @@ class Registry:
                 self.stats.refused += 1
                 raise Refused(reason)
             cid = session_id or f"s{next(self._ids)}"
-            s = Session(cid, mode, self.model_config, sampling, self._free_rows.pop(), self.clock())
+            s = Session(cid, mode, self.model_config, sampling, self._free_rows[-1], self.clock())
+            self._free_rows.pop()  # taken only once nothing more can fail
             self._open[cid] = s
             self._resumable.pop(cid, None)
             return s

@@ -166,6 +166,30 @@ def test_token_origin_and_bad_parameters(parts) -> None:
     run_with_server(parts, body, options)
 
 
+@pytest.mark.parametrize(
+    "query",
+    ["seed=18446744073709551616", "seed=-1", "temperature=inf", "temperature=nan", "temperature=-1", "top_p=5"],
+)
+def test_an_out_of_range_setting_is_told_and_takes_no_slot(parts, query: str) -> None:
+    """More bad requests than the engine has slots: each is told what is wrong and closed with 1008, and a good
+    one is still served after them (a bad seed used to keep its slot for ever: the server then refused everyone)."""
+
+    async def body(url, server):
+        name = query.split("=")[0]
+        for _ in range(3):
+            async with connect(f"{url}/api/chat?mode=turn&{query}") as ws:
+                message = await ws.recv()
+                assert message[0] == Kind.ERROR and name in message[1:].decode(), message
+                with pytest.raises(ConnectionClosed) as closed:
+                    await ws.recv()
+                assert closed.value.rcvd.code == 1008
+        result = await talk(url, speech(0.3), mode="turn", listen_s=30.0)
+        assert result.handshake and not result.errors and len(result.reply)
+        server.engine.cache.check()
+
+    run_with_server(parts, body, max_conversations=2)
+
+
 def test_limits(parts) -> None:
     async def body(url, server):
         async with connect(f"{url}/api/chat?mode=turn&codec=pcm16") as first:
