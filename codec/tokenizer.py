@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from transformers import EncodecConfig, EncodecModel
 
-from codec.streaming import StreamingDecoder, StreamingEncoder, StreamingNet
+from codec.stream_layers import StreamingNet
+from codec.streaming import StreamingDecoder, StreamingEncoder
 
 SAMPLE_RATE = 24000
 FRAME_SIZE = 320

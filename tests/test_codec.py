@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import EncodecConfig, EncodecModel
 
-from codec import BANDWIDTHS, EncodecTokenizer, streaming
+from codec import BANDWIDTHS, EncodecTokenizer, stream_layers
 from server.audio import load_wav
 from server.speech import SAMPLE_PATH, have_espeak, synthesize
 
@@ -206,7 +206,7 @@ def test_streaming_decoder_rows_are_independent(tok: EncodecTokenizer) -> None:
 def test_fused_lstm_steps_like_the_hand_stepped_one(tok: EncodecTokenizer) -> None:
     """A GPU runs EnCodec's LSTM through torch's fused LSTM: same outputs and carried (h, c) as the CPU stepping,
     chunk after chunk, rows first in the state as the streaming rows need."""
-    lstm = next(layer for layer in tok.decoder_net.layers if isinstance(layer, streaming._LSTM))
+    lstm = next(layer for layer in tok.decoder_net.layers if isinstance(layer, stream_layers._LSTM))
     x = torch.randn(3, lstm.hidden, 9, generator=torch.Generator().manual_seed(0))
     fused_state = stepped_state = None
     for a, b in ((0, 1), (1, 5), (5, 9)):
