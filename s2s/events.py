@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from codec.tokenizer import FRAME_SIZE
+
 
 @dataclass
 class AudioEvent:
@@ -36,15 +38,46 @@ class MetaEvent:
     data: dict
 
 
-class EventQueue(queue.Queue):
-    """A conversation's events, ended by None. An asyncio reader sets `on_put` to wake itself instead of polling."""
+def _frames(event: AudioEvent | CodesEvent | MetaEvent | None) -> int:
+    if isinstance(event, AudioEvent):
+        return len(event.pcm) // FRAME_SIZE
+    return event.codes.shape[-1] if isinstance(event, CodesEvent) else 0
 
+
+class EventQueue(queue.Queue):
+    """A conversation's events, ended by None. An asyncio reader sets `on_put` to wake itself instead of polling.
+
+    Bounded, and never a wait for the engine thread: a reader more than `max_frames` frames of output behind (its
+    client does not keep up) finds the queue `overflowed`, emptied, and dropping all but the end; `on_overflow`
+    tells the reader at once."""
+
+    max_frames = 1500  # 20 s of audio: a turn reply of the default longest (750 frames), made at once, fits twice
     on_put: Callable[[], None] | None = None
+    on_overflow: Callable[[], None] | None = None
+
+    def _init(self, maxsize: int) -> None:
+        super()._init(maxsize)
+        self.frames, self.overflowed = 0, False
 
     def _put(self, item) -> None:
+        if item is not None:
+            if self.overflowed:
+                return
+            self.frames += _frames(item)
+            if self.frames > self.max_frames:
+                self.queue.clear()
+                self.frames, self.overflowed = 0, True
+                if self.on_overflow is not None:
+                    self.on_overflow()
+                return
         super()._put(item)
         if self.on_put is not None:
             self.on_put()
+
+    def _get(self):
+        item = super()._get()
+        self.frames -= _frames(item)
+        return item
 
     def drop_turn_audio(self, turn: int) -> None:
         """Take a cancelled turn's audio the reader has not read yet out of the queue; keep everything else."""
@@ -52,3 +85,4 @@ class EventQueue(queue.Queue):
             kept = [e for e in self.queue if not (isinstance(e, AudioEvent | CodesEvent) and e.turn == turn)]
             self.queue.clear()
             self.queue.extend(kept)
+            self.frames = sum(map(_frames, kept))

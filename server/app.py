@@ -3,7 +3,8 @@
 Each websocket path is a protocol on the connection core (`server/connection.py`): /api/chat is Moshi's
 (`server/moshi.py`), one conversation in the engine per connection. Bad input gets an error message or is dropped,
 never a crash and never an effect on another connection; a connection that goes away at any moment closes its
-conversation, which frees its pages.
+conversation, which frees its pages. Who may connect is decided in one place, `refusal`, for every protocol and
+for the servers built on this one (the cascade).
 """
 
 from __future__ import annotations
@@ -32,11 +33,32 @@ from server.vad import VadConfig
 class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 8998
-    token: str | None = None
-    allowed_origins: list[str] = field(default_factory=list)  # empty: any origin
+    token: str | None = None  # required as ?token= on every websocket; None: no token
+    allowed_origins: list[str] = field(default_factory=list)  # browser origins besides the server's own
     max_message_bytes: int = 1 << 20
     limits: Limits = field(default_factory=Limits)  # back-pressure on each connection
     vad: VadConfig = field(default_factory=VadConfig)  # turn mode endpointing
+
+    def __post_init__(self) -> None:
+        if self.token == "":  # would otherwise read as "no token": authentication off, silently
+            raise ValueError("token must not be empty: leave it out to serve without one")
+
+
+def refusal(request: Request, options: ServerOptions) -> tuple[HTTPStatus, str] | None:
+    """Why a websocket request may not connect, or None. The token, when the server has one, is compared in
+    constant time. A browser (the only client that sends `Origin`) must come from the server's own origin or one of
+    `allowed_origins`: otherwise any page a visitor opens could hold a conversation in their name (cross-site
+    websocket hijacking). Clients without `Origin` are not browsers, and are let in."""
+    if options.token is not None:
+        given = urllib.parse.parse_qs(request.path.partition("?")[2]).get("token", [""])[0]
+        if not hmac.compare_digest(given.encode(), options.token.encode()):
+            return HTTPStatus.UNAUTHORIZED, "a valid token is required\n"
+    origin = request.headers.get("Origin")
+    if origin is None or origin in options.allowed_origins:
+        return None
+    if urllib.parse.urlsplit(origin).netloc.lower() != request.headers.get("Host", "").lower():
+        return HTTPStatus.FORBIDDEN, "origin not allowed\n"
+    return None
 
 
 class _EngineCollector:
@@ -97,6 +119,7 @@ class ChatServer:
             process_request=self._http,
             max_size=self.options.max_message_bytes,
             ping_interval=20,
+            server_header="s2s",  # not websockets' default, which tells Python's version and its own
         )
         return self._server.sockets[0].getsockname()[1]
 
@@ -107,7 +130,7 @@ class ChatServer:
         await asyncio.to_thread(self.engine.stop)
 
     def _http(self, connection: ServerConnection, request: Request) -> Response | None:
-        path, _, query = request.path.partition("?")
+        path = request.path.partition("?")[0]
         if path == "/healthz":
             return connection.respond(HTTPStatus.OK, "ok\n")
         if path == "/metrics":
@@ -118,14 +141,8 @@ class ChatServer:
             return Response(200, "OK", Headers([("Content-Type", "text/html; charset=utf-8")]), page)
         if path not in self.endpoints:
             return connection.respond(HTTPStatus.NOT_FOUND, "not found\n")
-        if self.options.token is not None:
-            given = urllib.parse.parse_qs(query).get("token", [""])[0]
-            if not hmac.compare_digest(given.encode(), self.options.token.encode()):
-                return connection.respond(HTTPStatus.UNAUTHORIZED, "a valid token is required\n")
-        origin = request.headers.get("Origin")
-        if self.options.allowed_origins and origin is not None and origin not in self.options.allowed_origins:
-            return connection.respond(HTTPStatus.FORBIDDEN, "origin not allowed\n")
-        return None
+        refused = refusal(request, self.options)
+        return connection.respond(*refused) if refused else None
 
     async def _connect(self, ws: ServerConnection) -> None:
         endpoint = self.endpoints[urllib.parse.urlsplit(ws.request.path).path]

@@ -161,17 +161,25 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8998)
-    p.add_argument("--token", default=None, help="require ?token=... on the websocket")
-    p.add_argument("--allowed-origin", action="append", help="allowed browser origins (repeatable)")
+    p.add_argument("--token", default=None, help="require ?token=... on the websocket (not empty)")
+    p.add_argument(
+        "--allowed-origin",
+        action="append",
+        help="a browser origin allowed besides the server's own, e.g. https://app.example (repeatable)",
+    )
     p.add_argument("--vad-silence", type=float, default=0.5, help="turn mode: seconds of silence that end a turn")
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
+    """`add_server_args`' server options; a bad one exits (before an engine is built: call this first)."""
     from server.app import ServerOptions
     from server.vad import VadConfig
 
     vad = VadConfig(silence_s=args.vad_silence)
-    return ServerOptions(args.host, args.port, args.token, args.allowed_origin or [], vad=vad)
+    try:
+        return ServerOptions(args.host, args.port, args.token, args.allowed_origin or [], vad=vad)
+    except ValueError as e:
+        raise SystemExit(f"bad server options: {e}") from None
 
 
 async def serve_until_sigterm(server: ChatServer, note: Callable[[], str] | None = None) -> None:
@@ -195,7 +203,8 @@ async def serve_until_sigterm(server: ChatServer, note: Callable[[], str] | None
 async def _serve(args: argparse.Namespace) -> None:
     from server.app import ChatServer
 
-    await serve_until_sigterm(ChatServer(engine_of(args)[0], server_options(args)))
+    options = server_options(args)
+    await serve_until_sigterm(ChatServer(engine_of(args)[0], options))
 
 
 def client(args: argparse.Namespace) -> None:

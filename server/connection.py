@@ -7,10 +7,12 @@
 2. `wire.handshake()` goes out (Moshi's handshake; a JSON-event protocol has none), then the session opens. A
    refusal (the engine's admission, the cascade's speech-to-text) is told "refused: REASON" and closed with 1013
    and the reason.
-3. `wire.opened(session.info)` goes out; the receive loop reads messages, paced, until the client goes: the wire
-   parses each into `Audio` or `EndTurn` (a bad one is told and dropped); audio runs through the session's VAD,
-   if it has one, where speech over a reply is a barge-in with what the client has heard (`Playback`) and silence
-   after speech ends the turn.
+3. `wire.opened(session.info)` goes out; the receive loop reads messages until the client goes: the wire parses
+   each into `Audio` or `EndTurn` (a bad one is told and dropped). Audio goes on in slices of 80 ms, each paced in
+   real time: past the burst, a long message is fed over as long as it lasts, not in one tick, and no more of it
+   once the client is gone. Each slice runs through the session's VAD, if it has one, where speech over a reply is
+   a barge-in with what the client has heard (`Playback`) and silence after speech ends the turn. Messages and
+   their bytes are paced too, whether or not they parse.
 4. However the socket ended, the session closes.
 
 A session sends from tasks of its own through `Connection`: `send_audio` (which `Playback` counts), `send_event`,
@@ -20,6 +22,7 @@ A session sends from tasks of its own through `Connection`: `send_audio` (which 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import urllib.parse
 from collections.abc import Awaitable, Callable
@@ -29,13 +32,15 @@ from typing import Protocol
 import numpy as np
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
+from websockets.protocol import State
 
 from codec.tokenizer import FRAME_SIZE, SAMPLE_RATE
 from s2s import Refused
-from server.protocol import ProtocolError
+from server.protocol import ProtocolError, StreamError
 from server.vad import Endpointer, VadConfig
 
 Message = bytes | str
+SLICE = 6 * FRAME_SIZE  # samples given to the session at a time: 80 ms, what a client's message holds
 
 
 @dataclass
@@ -96,7 +101,7 @@ class Endpoint(Protocol):
 class Limits:
     """Back-pressure on one connection."""
 
-    realtime_burst_s: float = 2.0  # a client may run this far ahead of real time before it is throttled
+    realtime_burst_s: float = 2.0  # a client may run this far ahead of real time (audio and bytes) before throttling
     max_messages_per_s: float = 100.0  # beyond this (after a burst of as many), reading pauses: clients send ~12/s
 
 
@@ -161,7 +166,8 @@ class Pace:
             if not self.warned:
                 self.warned = True
                 await conn.send_error(self.warning)
-            await asyncio.sleep(ahead)
+            with contextlib.suppress(TimeoutError):  # a client that goes meanwhile ends its wait
+                await asyncio.wait_for(conn.ws.wait_closed(), ahead)
 
 
 async def serve_connection(ws: ServerConnection, endpoint: Endpoint, limits: Limits) -> None:
@@ -194,25 +200,36 @@ async def _receive(conn: Connection, session: Session, limits: Limits) -> None:
     audio_pace = Pace(1.0, limits.realtime_burst_s, "sending faster than real time: throttled")
     rate = limits.max_messages_per_s
     message_pace = Pace(rate, rate, f"sending more than {rate:g} messages a second: throttled")
+    byte_rate = 2 * SAMPLE_RATE + rate  # the most an honest client sends: pcm16, and a byte of framing a message
+    byte_warning = f"sending more than {byte_rate:g} bytes a second: throttled"
+    byte_pace = Pace(byte_rate, byte_rate * limits.realtime_burst_s, byte_warning)
     vad: Endpointer | None = None  # made on the first audio: loading the model costs CPU the engine needs
     async for message in conn.ws:
         await message_pace.take(1, conn)
         try:
             item = conn.wire.parse(message)
+        except StreamError as e:
+            await conn.send_error(str(e))
+            await conn.close(1008, str(e))
+            return
         except ProtocolError as e:
             await conn.send_error(str(e))
-            continue
+            item = None
         if isinstance(item, EndTurn):
             await session.end_turn()
         elif isinstance(item, Audio):
-            await audio_pace.take(len(item.pcm) / SAMPLE_RATE, conn)
-            if not len(item.pcm):
-                continue
-            if session.vad is not None and vad is None:
-                vad = await asyncio.to_thread(Endpointer, session.vad)
-            heard = await asyncio.to_thread(vad.push, item.pcm) if vad is not None else []
-            if "speech_start" in heard:  # a barge-in if a reply is playing (a no-op otherwise), before this audio
-                await session.barge_in(conn.playback.played_frames())
-            session.audio(item.pcm)
-            if "end_of_turn" in heard:
-                await session.end_turn()
+            for a in range(0, len(item.pcm), SLICE):
+                pcm = item.pcm[a : a + SLICE]
+                await audio_pace.take(len(pcm) / SAMPLE_RATE, conn)
+                if a and conn.ws.state is not State.OPEN:  # the client went while its message waited: the rest goes
+                    return
+                if session.vad is not None and vad is None:
+                    vad = await asyncio.to_thread(Endpointer, session.vad)
+                heard = await asyncio.to_thread(vad.push, pcm) if vad is not None else []
+                if "speech_start" in heard:  # a barge-in if a reply is playing (a no-op otherwise), before this audio
+                    await session.barge_in(conn.playback.played_frames())
+                session.audio(pcm)
+                if "end_of_turn" in heard:
+                    await session.end_turn()
+        # Taken last, so the slices' real-time pace comes first: audio then finds its bytes within bounds.
+        await byte_pace.take(len(message), conn)

@@ -11,17 +11,25 @@ from codec.tokenizer import SAMPLE_RATE
 from s2s import Engine, SamplingParams
 from server import protocol
 from server.connection import Audio, Connection, EndTurn, Opener
-from server.protocol import BLOCK, Control, Kind, ProtocolError
+from server.protocol import BLOCK, Control, Kind, ProtocolError, StreamError
 from server.session import EngineSession
 from server.vad import VadConfig
 
 
 class MoshiWire:
+    # Bytes the Opus reader may take without giving audio before it is reset. A real client's page is ~300 bytes
+    # (80 ms); the largest Ogg page is 65,307. sphn keeps what it cannot use: a packet that never ends, and every
+    # byte after a parse error.
+    MAX_OPUS_PENDING = 64 << 10
+    MAX_UNDECODED = 256 << 10  # Ogg/Opus bytes with no audio out, across resets: past this, not a stream at all
+
     def __init__(self, codec: str):
         if codec not in ("opus", "pcm16"):
             raise ProtocolError(f"codec must be opus or pcm16, got {codec!r}")
         self.codec = codec
         self.opus_in = sphn.OpusStreamReader(SAMPLE_RATE) if codec == "opus" else None
+        self.opus_pending = 0  # bytes fed to `opus_in` since it last gave audio: what it may be holding
+        self.undecoded = 0  # bytes since the last audio, resets included
         self.opus_out = sphn.OpusStreamWriter(SAMPLE_RATE) if codec == "opus" else None
 
     def handshake(self) -> bytes:
@@ -59,10 +67,25 @@ class MoshiWire:
             if len(payload) % 2:
                 raise ProtocolError("audio payload is not valid PCM16")
             return np.frombuffer(payload, dtype="<i2").astype(np.float32) / 32768.0
+        self.opus_pending += len(payload)
+        self.undecoded += len(payload)
+        if self.undecoded > self.MAX_UNDECODED:
+            raise StreamError(f"no audio in over {self.MAX_UNDECODED} bytes of Ogg/Opus: closed")
         try:
-            return np.asarray(self.opus_in.append_bytes(payload), dtype=np.float32).reshape(-1)
+            pcm = np.asarray(self.opus_in.append_bytes(payload), dtype=np.float32).reshape(-1)
         except Exception as e:  # sphn raises its own errors on broken streams
-            raise ProtocolError("audio payload is not valid Ogg/Opus") from e
+            self._reset_opus()
+            raise ProtocolError("audio payload is not valid Ogg/Opus: the stream starts again") from e
+        if len(pcm):
+            self.opus_pending = self.undecoded = 0
+        elif self.opus_pending > self.MAX_OPUS_PENDING:
+            self._reset_opus()
+            raise ProtocolError(f"no audio in over {self.MAX_OPUS_PENDING} bytes of Ogg/Opus: the stream starts again")
+        return pcm
+
+    def _reset_opus(self) -> None:
+        """A fresh reader, the old one's buffer dropped: after a broken stream, a valid one decodes again."""
+        self.opus_in, self.opus_pending = sphn.OpusStreamReader(SAMPLE_RATE), 0
 
 
 class MoshiEndpoint:
@@ -82,7 +105,7 @@ class MoshiEndpoint:
         voice = query.get("voice")
         if voice is not None and (not voice.isidentifier() or voice not in self.engine.voices):
             raise ProtocolError(f"unknown voice {voice!r}; voices are plain names: {sorted(self.engine.voices)}")
-        sampling = sampling_of(query)
+        sampling = sampling_of(query, self.engine.model.config.codebook_size)
 
         def open_session(conn: Connection):
             return EngineSession.open(self.engine, conn, mode, voice, sampling, self.vad)
@@ -90,8 +113,9 @@ class MoshiEndpoint:
         return wire, open_session
 
 
-def sampling_of(query: dict[str, str]) -> SamplingParams:
-    """`temperature`, `top_k`, `top_p`, `seed`, also under the Moshi client's names (`audio_temperature`, ...)."""
+def sampling_of(query: dict[str, str], vocab: int) -> SamplingParams:
+    """`temperature`, `top_k` (at most `vocab`, the model's codebook size), `top_p`, `seed`, also under the Moshi
+    client's names (`audio_temperature`, ...)."""
 
     def pick(*names: str) -> str | None:
         return next((query[n] for n in names if n in query), None)
@@ -110,6 +134,9 @@ def sampling_of(query: dict[str, str]) -> SamplingParams:
             except ValueError as e:
                 raise ProtocolError(f"bad {names[0]}={raw!r}: {e}") from e
     try:
-        return SamplingParams(**kw)
+        params = SamplingParams(**kw)
     except ValueError as e:  # in range: temperature >= 0, top_k >= 0, 0 < top_p <= 1
         raise ProtocolError(str(e)) from e
+    if kw.get("top_k", 0) > vocab:  # a client's own: the default (250) over a smaller vocabulary cuts nothing
+        raise ProtocolError(f"top_k must be at most {vocab}, the model's vocabulary, got {params.top_k}")
+    return params

@@ -32,6 +32,10 @@ class ProtocolError(ValueError):
     """A message that breaks the protocol; the text is what the client is told."""
 
 
+class StreamError(ProtocolError):
+    """Input the connection cannot go on from: the client is told, and the connection closes (1008)."""
+
+
 def handshake() -> bytes:
     return bytes([Kind.HANDSHAKE]) + struct.pack("<II", PROTOCOL_VERSION, MODEL_VERSION)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -20,16 +20,38 @@ if TYPE_CHECKING:
     from s2s.events import CodesEvent, EventQueue
 
 
-async def events(q: EventQueue) -> AsyncIterator[AudioEvent | CodesEvent | MetaEvent]:
-    """A conversation's events until it is closed. The engine thread wakes the reader through `on_put`: no polling,
-    and no thread per read. One reader at a time."""
+SLOW = "not reading fast enough: closed"
+_dropping: set[asyncio.Task] = set()  # `_drop`s under way (the loop keeps only weak references to tasks)
+
+
+async def _drop(conn: Connection) -> None:
+    """Tell a client that fell behind, and close it. A client that reads nothing takes neither the error nor the
+    close frame (each waits for room on its socket): after the close timeout, its connection is cut."""
+    with contextlib.suppress(TimeoutError, ConnectionClosed):
+        async with asyncio.timeout(conn.ws.close_timeout):
+            await conn.send_error(SLOW)
+            await conn.close(1008, SLOW)
+    conn.ws.transport.abort()
+
+
+async def events(q: EventQueue, conn: Connection) -> AsyncIterator[AudioEvent | CodesEvent | MetaEvent]:
+    """A conversation's events until it is closed, read for `conn`'s client. The engine thread wakes the reader
+    through `on_put`: no polling, and no thread per read. One reader at a time.
+
+    When the queue overflows (the client reads slower than the conversation speaks), the client is told and closed
+    at once, even while the reader waits on a send to it; the connection's end then closes the conversation."""
     loop, ready = asyncio.get_running_loop(), asyncio.Event()
 
-    def wake() -> None:  # on the engine thread
+    def soon(fn: Callable[[], object]) -> None:  # from the engine thread
         with contextlib.suppress(RuntimeError):  # the loop is closing: nobody is waiting any more
-            loop.call_soon_threadsafe(ready.set)
+            loop.call_soon_threadsafe(fn)
 
-    q.on_put = wake
+    def drop() -> None:
+        task = asyncio.create_task(_drop(conn))
+        _dropping.add(task)
+        task.add_done_callback(_dropping.discard)
+
+    q.on_put, q.on_overflow = lambda: soon(ready.set), lambda: soon(drop)
     while True:
         try:
             event = q.get_nowait()
@@ -81,7 +103,7 @@ class EngineSession:
         await asyncio.wait_for(self._sender, 5)
 
     async def _send(self, conn: Connection) -> None:
-        async for event in events(self.engine.event_queue(self.cid)):
+        async for event in events(self.engine.event_queue(self.cid), conn):
             try:
                 if isinstance(event, AudioEvent):
                     await conn.send_audio(event.pcm, event.turn)

@@ -17,6 +17,7 @@ MODULE = "bench.cascade.serve"
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    options = server_options(args)
     speech, _ = engine_of(args)  # first: it sets the torch threads both engines calibrate with
     device, dtype = placement_of(args)
     text = text_engine_for(
@@ -27,7 +28,7 @@ async def _serve(args: argparse.Namespace) -> None:
         dtype,
         cuda_graphs=not args.enforce_eager,
     )
-    server = CascadeServer(text, speech, server_options(args))
+    server = CascadeServer(text, speech, options)
 
     def note() -> str:
         stt = server.stt

@@ -43,7 +43,7 @@ from server import protocol
 from server.app import ChatServer, ServerOptions
 from server.audio import load_wav
 from server.connection import Connection, Opener
-from server.moshi import MoshiWire
+from server.moshi import MoshiWire, sampling_of
 from server.protocol import ProtocolError
 from server.session import events
 from server.speech import SAMPLE_PATH, synthesize
@@ -84,7 +84,8 @@ class CascadeServer(ChatServer):
 
 
 class CascadeEndpoint:
-    """Query parameters: `mode=turn` (its only mode), `codec=opus|pcm16`, `tts=espeak|engine`, `silence_ms`, `seed`."""
+    """Query parameters: `mode=turn` (its only mode), `codec=opus|pcm16`, `tts=espeak|engine`, `silence_ms`, `seed`
+    (0 by default)."""
 
     def __init__(self, server: CascadeServer):
         self.server = server
@@ -102,9 +103,9 @@ class CascadeEndpoint:
         vad = self.server.options.vad
         try:
             silence_ms = float(query.get("silence_ms", vad.silence_s * 1000))
-            sampling = SamplingParams(seed=int(query.get("seed", 0)))
         except ValueError as e:
-            raise ProtocolError(str(e)) from e
+            raise ProtocolError(f"bad silence_ms: {e}") from e
+        sampling = sampling_of({"seed": query.get("seed", "0")}, self.server.text_engine.model.config.codebook_size)
         if not 0 < silence_ms <= 5000:
             raise ProtocolError(f"silence_ms must be in (0, 5000], got {silence_ms}")
         vad = dataclasses.replace(vad, silence_s=silence_ms / 1000)
@@ -202,7 +203,7 @@ class CascadeSession:
                 if failed is None:  # its decoder's state is gone: the conversation ends, the client may reconnect
                     log.exception("speech-to-text failed")
                     with contextlib.suppress(ConnectionClosed):
-                        await self.conn.send_error(f"speech-to-text failed: {type(e).__name__}: {e}")
+                        await self.conn.send_error("speech-to-text failed: the conversation is closed")
                         await self.conn.close(1011, "speech-to-text failed")
                 failed = e
 
@@ -212,10 +213,10 @@ class CascadeSession:
             await self._reply(endpoint)
         except (asyncio.CancelledError, ConnectionClosed):
             raise
-        except Exception as e:
+        except Exception:
             log.exception("cascade reply failed")
             with contextlib.suppress(ConnectionClosed):
-                await self.conn.send_error(f"reply failed: {type(e).__name__}: {e}")
+                await self.conn.send_error("reply failed")
 
     async def _reply(self, endpoint: float) -> None:
         """STT final search, the text decoder's reply streamed into phrases, each phrase spoken as it is ready."""
@@ -232,7 +233,7 @@ class CascadeSession:
         speaker = asyncio.create_task(self._speak(phrases, times, text))
         try:
             pending, spoken = "", 0
-            async for event in events(engine.event_queue(self.text_cid)):
+            async for event in events(engine.event_queue(self.text_cid), self.conn):
                 if isinstance(event, CodesEvent):
                     times.setdefault("llm_first_token", time.perf_counter())
                     pending += printable(event.codes[0])
@@ -279,7 +280,7 @@ class CascadeSession:
         engine.push_codes(cid, np.repeat(codes[None], engine.model.config.num_codebooks, axis=0))
         engine.end_turn(cid)
         target, got, turn = max(1, round(len(phrase) * FRAMES_PER_CHAR)), 0, None
-        async for event in events(engine.event_queue(cid)):
+        async for event in events(engine.event_queue(cid), self.conn):
             if event.turn <= self.speech_turn:
                 continue  # a turn already over (a late reply_done)
             turn = event.turn

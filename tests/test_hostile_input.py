@@ -1,0 +1,162 @@
+"""A hostile client's input (issue 25): invalid Opus never grows memory and never breaks the stream for good, bytes
+are paced whether or not they decode, and one large message reaches the engine in real-time slices."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import numpy as np
+import pytest
+import sphn
+from test_server import parts, run_with_server  # noqa: F401 (parts: the tiny model, a fixture)
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+import server.moshi
+from server import protocol
+from server.app import ServerOptions
+from server.connection import Limits
+from server.moshi import MoshiWire
+from server.protocol import BLOCK, Kind, ProtocolError, StreamError
+
+
+class KeptWire(MoshiWire):
+    """Moshi's wire, each one kept, so a test can see what its connection's Opus reader holds."""
+
+    made: list[MoshiWire] = []
+
+    def __init__(self, codec: str):
+        super().__init__(codec)
+        self.made.append(self)
+
+
+def spy_pushes(engine) -> list[int]:
+    """The length of every PCM array the server hands the engine."""
+    pushed, push = [], engine.push_audio
+
+    def spy(cid: str, pcm: np.ndarray) -> None:
+        pushed.append(len(pcm))
+        push(cid, pcm)
+
+    engine.push_audio = spy
+    return pushed
+
+
+def opus_messages(seconds: float) -> list[bytes]:
+    """A valid Ogg/Opus stream of a tone, in 80 ms messages as a client sends it."""
+    writer = sphn.OpusStreamWriter(24000)
+    pcm = (0.3 * np.sin(2 * np.pi * 220 * np.arange(int(seconds * 24000)) / 24000)).astype(np.float32)
+    pages = [bytes(writer.append_pcm(pcm[a : a + BLOCK])) for a in range(0, len(pcm), BLOCK)]
+    return [protocol.audio(page) for page in pages if page]
+
+
+async def next_error(ws) -> str:
+    while (message := await asyncio.wait_for(ws.recv(), 10))[0] != Kind.ERROR:
+        pass
+    return message[1:].decode()
+
+
+def test_invalid_opus_resets_the_reader_and_a_flood_of_it_closes_the_connection(parts, monkeypatch) -> None:  # noqa: F811
+    """Messages that are not Ogg: each is told and the reader holds none of it, and a valid stream on the same
+    connection then reaches the engine (sphn's reader kept every byte after an error, and failed for good). Past
+    `MAX_UNDECODED` bytes with no audio, the connection is closed with the reason (it was read for ever)."""
+    monkeypatch.setattr(server.moshi, "MoshiWire", KeptWire)
+    KeptWire.made.clear()
+    garbage = protocol.audio(bytes(range(1, 256)) * 257)  # 65,535 bytes, no "OggS" in them
+
+    async def body(url, srv):
+        pushed = spy_pushes(srv.engine)
+        async with connect(f"{url}/api/chat?mode=turn&codec=opus") as ws:
+            await ws.recv()  # handshake
+            await ws.recv()  # metadata
+            [wire] = KeptWire.made
+            for _ in range(3):
+                await ws.send(garbage)
+                assert "not valid Ogg/Opus" in await next_error(ws)
+                assert wire.opus_pending <= MoshiWire.MAX_OPUS_PENDING
+            for message in opus_messages(2.0):
+                await ws.send(message)
+            for _ in range(200):  # the server takes the messages a moment after they are sent
+                if sum(pushed) >= 24000:
+                    break
+                await asyncio.sleep(0.05)
+            assert sum(pushed) >= 24000, "valid Opus after invalid Opus did not reach the engine"
+            with pytest.raises(ConnectionClosed) as closed:
+                for _ in range(200):
+                    await ws.send(garbage)
+                    await next_error(ws)
+            assert closed.value.rcvd.code == 1008 and "no audio" in closed.value.rcvd.reason
+
+    limits = Limits(realtime_burst_s=3600, max_messages_per_s=1e4)  # this is about memory, not pace
+    run_with_server(parts, body, ServerOptions(port=0, limits=limits))
+
+
+def ogg_crc(data: bytes) -> int:
+    crc = 0
+    for byte in data:
+        crc ^= byte << 24
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x04C11DB7 if crc & 0x80000000 else crc << 1) & 0xFFFFFFFF
+    return crc
+
+
+def never_ending_packet_page(continued: bool) -> bytes:
+    """A valid Ogg page (65,307 bytes, the largest) holding one packet that goes on into the next page: sphn raises
+    nothing and gives nothing, and keeps all of it."""
+    header = b"OggS" + bytes([0, int(continued)]) + struct.pack("<qII", -1, 1, 0) + bytes(4) + bytes([255] * 256)
+    page = header + bytes(255 * 255)
+    return page[:22] + struct.pack("<I", ogg_crc(page)) + page[26:]
+
+
+def test_an_ogg_packet_that_never_ends_is_cut_at_the_cap() -> None:
+    """sphn keeps a packet that never ends, raising nothing: past `MAX_OPUS_PENDING` the reader starts again (a valid
+    stream then decodes); past `MAX_UNDECODED` with no audio, the stream is over."""
+    first, more = never_ending_packet_page(False), never_ending_packet_page(True)
+    wire = MoshiWire("opus")
+    assert not len(wire.parse(protocol.audio(first)).pcm)
+    with pytest.raises(ProtocolError, match="no audio .* starts again"):
+        wire.parse(protocol.audio(more))
+    assert wire.opus_pending <= MoshiWire.MAX_OPUS_PENDING
+    pcm = [wire.parse(message).pcm for message in opus_messages(1.0)]
+    assert sum(map(len, pcm)) >= 12000  # the stream starts again
+    wire = MoshiWire("opus")
+    with pytest.raises(StreamError, match="closed"):
+        for i in range(10):
+            try:
+                wire.parse(protocol.audio(more if i else first))
+            except StreamError:
+                raise
+            except ProtocolError:
+                pass
+            assert wire.opus_pending <= MoshiWire.MAX_OPUS_PENDING
+
+
+def test_bytes_that_do_not_decode_are_paced_like_audio(parts) -> None:  # noqa: F811
+    async def body(url, srv):
+        async with connect(f"{url}/api/chat?mode=turn&codec=opus") as ws:
+            await ws.recv()
+            await ws.send(protocol.audio(b"\xff" * 48000))  # a second of pcm16's bytes, past a 0.1 s burst
+            assert "not valid Ogg/Opus" in await next_error(ws)
+            assert "bytes a second: throttled" in await next_error(ws)
+
+    run_with_server(parts, body, ServerOptions(port=0, limits=Limits(realtime_burst_s=0.1)))
+
+
+def test_a_large_message_reaches_the_engine_in_real_time_slices(parts) -> None:  # noqa: F811
+    """One 1 MiB pcm16 message (21.8 s) is throttled and told, and handed to the engine in slices of at most 80 ms,
+    not in one piece: one tick's worth of work for every conversation."""
+
+    async def body(url, srv):
+        pushed = spy_pushes(srv.engine)
+        async with connect(f"{url}/api/chat?mode=turn&codec=pcm16") as ws:
+            await ws.recv()
+            await ws.send(protocol.audio(bytes((1 << 20) - 2)))
+            assert "faster than real time" in await next_error(ws)
+            for _ in range(400):  # past the 2 s burst, slices come in real time
+                if sum(pushed) >= 40 * BLOCK:
+                    break
+                await asyncio.sleep(0.05)
+        assert sum(pushed) >= 40 * BLOCK and max(pushed) <= BLOCK, pushed[:5]
+
+    run_with_server(parts, body)
