@@ -1,4 +1,4 @@
-"""Run Triton kernels in interpreter mode on machines without CUDA; must happen before any kernel is defined."""
+"""Run Triton kernels in interpreter mode on machines without CUDA (before any kernel is defined); shared fixtures."""
 
 import os
 
@@ -17,3 +17,12 @@ def _cpu_kernel_built() -> None:
 
     if not torch.cuda.is_available():
         cpu_attention.available()
+
+
+@pytest.fixture(scope="module")
+def parts():
+    """The `tiny` model and the codec, both seeded: what the server tests serve."""
+    from codec import EncodecTokenizer
+    from s2s import ModelConfig, S2SModel
+
+    return S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0), EncodecTokenizer.from_pretrained(seed=0)

@@ -8,15 +8,9 @@ import asyncio
 import numpy as np
 import pytest
 
-from codec import EncodecTokenizer
-from s2s import Engine, EngineConfig, ModelConfig, S2SModel
+from s2s import Engine, EngineConfig
 from server.app import ChatServer, ServerOptions
 from server.client import talk
-
-
-@pytest.fixture(scope="module")
-def parts():
-    return S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0), EncodecTokenizer.from_pretrained(seed=0)
 
 
 def speech(seconds: float, seed: int) -> np.ndarray:

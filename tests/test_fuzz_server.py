@@ -20,7 +20,7 @@ from fuzz_client import MESSAGE
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_hostile_input import opus_messages
-from test_server import parts, run_with_server, speech  # noqa: F401 (parts: the tiny model, a fixture)
+from test_server import run_with_server, speech
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -113,7 +113,7 @@ def held(stats: CacheStats) -> tuple[int, int, int]:
     return stats.private, stats.cached_locked, stats.free + stats.cached_evictable
 
 
-def test_fuzzed_requests_and_messages_leave_the_engine_as_they_found_it(parts) -> None:  # noqa: F811
+def test_fuzzed_requests_and_messages_leave_the_engine_as_they_found_it(parts) -> None:
     async def body(url, server):
         engine = server.engine
         before = engine.snapshot()

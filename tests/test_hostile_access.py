@@ -14,6 +14,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+from test_server import run_with_server
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -24,7 +25,7 @@ from codec import EncodecTokenizer
 from s2s import AudioEvent, Engine, EngineConfig, ModelConfig, S2SModel
 from s2s.events import EventQueue
 from server import protocol
-from server.app import ChatServer, ServerOptions
+from server.app import ServerOptions
 from server.client import talk
 from server.process import ServerProcess
 from server.protocol import Kind
@@ -33,30 +34,9 @@ from server.speech import speech as spoken
 EVIL = "http://evil.example"
 
 
-@pytest.fixture(scope="module")
-def parts():
-    return S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0), EncodecTokenizer.from_pretrained(seed=0)
-
-
 def tone(seconds: float) -> np.ndarray:
     t = np.arange(int(seconds * 24000)) / 24000
     return (0.2 * np.sin(2 * np.pi * 180 * t)).astype(np.float32)
-
-
-def run_with_server(parts, body, options: ServerOptions | None = None):
-    """An engine and a server on a free port; `body(url, server)`; everything stopped."""
-    model, tok = parts
-    cfg = EngineConfig(num_pages=512, max_context=1024, calibration_ticks=0, max_reply_frames=20)
-
-    async def main():
-        server = ChatServer(Engine(model, tok, cfg), options or ServerOptions(port=0))
-        port = await server.start()
-        try:
-            return await body(f"ws://127.0.0.1:{port}", server)
-        finally:
-            await server.stop()
-
-    return asyncio.run(main())
 
 
 async def status_of(url: str, origin: str | None = None) -> int:

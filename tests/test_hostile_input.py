@@ -9,7 +9,7 @@ import struct
 import numpy as np
 import pytest
 import sphn
-from test_server import parts, run_with_server  # noqa: F401 (parts: the tiny model, a fixture)
+from test_server import run_with_server
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -57,7 +57,7 @@ async def next_error(ws) -> str:
     return message[1:].decode()
 
 
-def test_invalid_opus_resets_the_reader_and_a_flood_of_it_closes_the_connection(parts, monkeypatch) -> None:  # noqa: F811
+def test_invalid_opus_resets_the_reader_and_a_flood_of_it_closes_the_connection(parts, monkeypatch) -> None:
     """Messages that are not Ogg: each is told and the reader holds none of it, and a valid stream on the same
     connection then reaches the engine (sphn's reader kept every byte after an error, and failed for good). Past
     `MAX_UNDECODED` bytes with no audio, the connection is closed with the reason (it was read for ever)."""
@@ -132,7 +132,7 @@ def test_an_ogg_packet_that_never_ends_is_cut_at_the_cap() -> None:
             assert wire.opus_pending <= MoshiWire.MAX_OPUS_PENDING
 
 
-def test_bytes_that_do_not_decode_are_paced_like_audio(parts) -> None:  # noqa: F811
+def test_bytes_that_do_not_decode_are_paced_like_audio(parts) -> None:
     async def body(url, srv):
         async with connect(f"{url}/api/chat?mode=turn&codec=opus") as ws:
             await ws.recv()
@@ -143,7 +143,7 @@ def test_bytes_that_do_not_decode_are_paced_like_audio(parts) -> None:  # noqa: 
     run_with_server(parts, body, ServerOptions(port=0, limits=Limits(realtime_burst_s=0.1)))
 
 
-def test_a_large_message_reaches_the_engine_in_real_time_slices(parts) -> None:  # noqa: F811
+def test_a_large_message_reaches_the_engine_in_real_time_slices(parts) -> None:
     """One 1 MiB pcm16 message (21.8 s) is throttled and told, and handed to the engine in slices of at most 80 ms,
     not in one piece: one tick's worth of work for every conversation."""
 

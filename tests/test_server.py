@@ -11,17 +11,11 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from codec import EncodecTokenizer
-from s2s import Engine, EngineConfig, ModelConfig, S2SModel
+from s2s import Engine, EngineConfig
 from server import protocol
 from server.app import ChatServer, ServerOptions
 from server.client import talk
 from server.protocol import Kind
-
-
-@pytest.fixture(scope="module")
-def parts():
-    return S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0), EncodecTokenizer.from_pretrained(seed=0)
 
 
 def speech(seconds: float, seed: int = 0) -> np.ndarray:
