@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.common import environment, parser, print_table, save_outputs
-from codec import EncodecTokenizer, streaming
+from codec import EncodecTokenizer, stream_layers
 from s2s import Engine, EngineConfig, ModelConfig, S2SModel, SamplingParams
 
 # (engine component, method): phase
@@ -67,8 +67,8 @@ def count(preset: str, conversations: int, ticks: int) -> dict:
     for (part, method), label in PHASES.items():
         component = getattr(engine, part)
         setattr(component, method, _labelled(getattr(component, method), label, stack))
-    lstm = streaming._LSTM.stepped
-    streaming._LSTM.stepped = _labelled(lstm, "codec LSTM", stack)
+    lstm = stream_layers._LSTM.stepped
+    stream_layers._LSTM.stepped = _labelled(lstm, "codec LSTM", stack)
     try:
         cids = [engine.open("duplex", sampling=SamplingParams(seed=i), admit=False) for i in range(conversations)]
         silence = np.zeros(320 * FRAMES_PER_TICK, dtype=np.float32)
@@ -81,7 +81,7 @@ def count(preset: str, conversations: int, ticks: int) -> dict:
             with _Count(stack, counts):
                 engine.step()
     finally:
-        streaming._LSTM.stepped = lstm
+        stream_layers._LSTM.stepped = lstm
     return {
         "preset": preset,
         "conversations": conversations,
