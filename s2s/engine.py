@@ -2,7 +2,8 @@
 
 `step()` is one tick: ingest (callers' commands, then new user audio through the encoder) -> schedule (who computes
 what this round, and their pages) -> run (one forward and one sampling over all of it) -> emit (newly complete frames
-through the decoder, to each session's event queue); the middle repeats for each of `frames_per_tick` rounds.
+through the decoder, to each session's event queue). Schedule and run repeat for each of `frames_per_tick` rounds,
+each followed by the decode of any turn's first audio; the rest is decoded once, at the end of the tick.
 `start()` runs it in a thread. Callers on other threads never wait for a tick: `open` decides admission at once and
 every call puts a command on a queue that the next tick applies first, in order (mini-sglang's scheduler takes its
 messages the same way). Readers of stats get the `snapshot()` the last tick published.
@@ -84,7 +85,7 @@ class Engine:
         )
         self.sessions: dict[str, Session] = {}  # live, in the order they opened: the engine thread's alone
         self.voices: dict[str, np.ndarray] = {}  # named voice prompts (codes [K, P])
-        self._snapshots: dict[str, dict] = {}  # closed sessions' context, for resume (the engine thread's)
+        self._closed_context: dict[str, dict] = {}  # closed sessions' context, for resume (the engine thread's)
         self.registry = Registry(
             mcfg, self.admission, cfg.max_conversations, cfg.session_ttl_s, self.stats, clock, self._forget_snapshot
         )
@@ -172,7 +173,6 @@ class Engine:
         s = self.registry.close(cid, resumable=False)
         self.sessions.pop(cid, None)
         self.kv.detach(s)
-        self.audio.reset(s.row)
 
     def event_queue(self, cid: str) -> EventQueue:
         return self.registry.get(cid).events
@@ -269,7 +269,7 @@ class Engine:
         prefill = sum(len(w.tokens) for work in rounds for w in work if not w.decode)
         elapsed = self.clock() - start
         self.cost.observe(len(rounds), decode, prefill, elapsed)  # the whole tick: what must fit the frame budget
-        self.stats.record_tick(elapsed, decode, prefill, len(self.sessions), self.cache.stats())
+        self.stats.record_tick(elapsed, prefill)
         self._publish()
 
     def _timed(self, phase: str, fn: Callable, *args, **kw) -> None:
@@ -313,16 +313,16 @@ class Engine:
                 return
 
     def _apply_open(self, s: Session, prompt: np.ndarray | None, resume: bool) -> None:
+        if resume and (context := self._closed_context.pop(s.id, None)) is None:
+            return self._fail_open(s, "nothing to resume: its open had failed")
         if resume:
-            s.restore(self._snapshots.pop(s.id))
+            s.restore(context)
         elif prompt is not None:
             s.set_prompt(prompt)
         try:
             self.kv.attach(s)
         except OutOfPages as e:  # admission counts naive mode's reservations: only pages taken outside it
-            s.events.put(MetaEvent(s.id, 0, {"event": "error", "message": f"no K/V memory for it: {e}"}))
-            s.events.put(None)
-            return
+            return self._fail_open(s, f"no K/V memory for it: {e}")
         self.audio.reset(s.row)
         self.sessions[s.id] = s
         if not s.turns and (s.mode == "duplex" or s.prompt_frames):
@@ -332,11 +332,16 @@ class Engine:
         if self.sessions.get(s.id) is s:  # not one whose open failed
             s.pending.append(data)
 
+    def _fail_open(self, s: Session, reason: str) -> None:
+        """The session never goes live: its events end with the reason (its row is free once it is closed)."""
+        s.events.put(MetaEvent(s.id, 0, {"event": "error", "message": reason}))
+        s.events.put(None)
+
     def _apply_close(self, s: Session) -> None:
         if self.sessions.pop(s.id, None) is s:
             self.kv.insert(s, lock=False)
             self.kv.detach(s)
-            self._snapshots[s.id] = s.snapshot()
+            self._closed_context[s.id] = s.snapshot()
         s.events.put(None)
 
     def _apply_interrupt(self, s: Session, played_frames: int) -> None:
@@ -352,7 +357,7 @@ class Engine:
 
     def _forget_snapshot(self, cid: str) -> None:
         """Called from the registry: a closed session can no longer be resumed."""
-        self._commands.put(functools.partial(self._snapshots.pop, cid, None))
+        self._commands.put(functools.partial(self._closed_context.pop, cid, None))
 
     def _rewind(self, s: Session, frame: int) -> None:
         s.rewind(frame)

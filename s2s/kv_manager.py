@@ -179,10 +179,7 @@ class KVManager:
         if s.mode == "turn" and s.phase is Phase.LISTEN and s.step_token(s.computed) is None:
             s.idle_frames = s.user_frames  # all it had is computed: nothing to do until its user speaks
         self.insert(s, lock=False)
-        self.cache.release(s.own_pages)
-        if s.handle is not None:
-            self.cache.unlock(s.handle)
-        s.own_pages, s.pages, s.handle = [], [], None
+        self.detach(s)
         s.computed, s.last_logits = 0, None
         s.seen_inserts, s.open_key_steps = -1, 0  # re-match at once; what it gets back counts as hits
         self.stats.preempted += 1

@@ -98,7 +98,6 @@ class EngineStats:
     phase_seconds: dict[str, float] = field(
         default_factory=lambda: dict.fromkeys(("encode", "schedule", "model", "decode"), 0.0)
     )
-    last: dict = field(default_factory=dict)
 
     def clear(self) -> None:
         """Back to zero, in place (the engine's parts share this object)."""
@@ -107,25 +106,14 @@ class EngineStats:
     def copy(self) -> EngineStats:
         """A copy another thread can read while this one goes on counting."""
         out = copy.copy(self)
-        out.tick_seconds, out.phase_seconds, out.last = (
-            deque(self.tick_seconds),
-            dict(self.phase_seconds),
-            dict(self.last),
-        )
+        out.tick_seconds, out.phase_seconds = deque(self.tick_seconds), dict(self.phase_seconds)
         return out
 
-    def record_tick(self, seconds: float, decode_steps: int, prefill_steps: int, conversations: int, cache) -> None:
+    def record_tick(self, seconds: float, prefill_steps: int) -> None:
         self.ticks += 1
         self.busy_seconds += seconds
         self.prefill_steps += prefill_steps
         self.tick_seconds.append(seconds)
-        self.last = {
-            "tick_ms": seconds * 1000,
-            "decode_steps": decode_steps,
-            "prefill_steps": prefill_steps,
-            "conversations": conversations,
-            "cache": cache,
-        }
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Registry: the callers' side of the engine. Which sessions are open, their codec rows, which closed ones can still
-be resumed, and admission. Any thread: changes are made under one lock that no tick holds."""
+be resumed, and admission. Any thread: the maps change under one lock that no tick holds (a session's `input_kind`
+is set once, by its first push, before the engine sees any of its input)."""
 
 from __future__ import annotations
 

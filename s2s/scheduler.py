@@ -58,7 +58,7 @@ class Scheduler:
     def deadline(s: Session) -> float:
         """The deadline of the first frame the session's next step completes, less the jitter buffer (the same for
         every session: it does not change the order)."""
-        return frame_deadline(s, s.computed + 1 - int(s.delays.max()), 0.0)
+        return frame_deadline(s, s.computed + 1 - s.cfg.max_delay, 0.0)
 
     def pick(self, sessions: Sequence[Session], now: float, prefill: bool = True) -> list[Work]:
         """This round's work; `prefill=False` for the extra rounds of a multi-frame tick (decode steps only)."""
@@ -139,7 +139,8 @@ class Scheduler:
 
 
 class Admission:
-    """Whether another session fits: a free row, and a predicted tick within `headroom` of the frame budget.
+    """Whether another session fits: under the session count and the K/V capacity, and a predicted tick within
+    `headroom` of the frame budget (codec rows are the `Registry`'s).
 
     Every session counts as a real-time stream: a turn-mode one replies one step per frame, like duplex, and all of
     them may reply at once (counting only duplex let 16 turn sessions starve together). An idle engine always admits

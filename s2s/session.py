@@ -75,7 +75,7 @@ class Session:
         self.prompt_frames = 0
         self.cached_at_open = 0  # steps the prefix cache gave back when it opened
         self.open_key_steps = 0  # steps known when it opened (what the first match looked up)
-        self.seen_inserts = -1  # the engine's insert count when this conversation last matched
+        self.seen_inserts = -1  # `KVManager.inserts` when this session last matched
         self.deadline_misses = 0  # duplex frames sent after their deadline (`AudioIO`)
 
     @property

@@ -209,7 +209,7 @@ def test_late_duplex_frames_count_as_misses_per_conversation(model, tok) -> None
         engine.step()
         clock.now = max(clock.now, start + engine.cfg.tick_s)
     per_session = [c["deadline_misses"] for c in engine.snapshot().sessions]
-    assert all(m > 0 for m in per_session)
+    assert len(per_session) == 2 and all(m > 0 for m in per_session)
     assert sum(per_session) == engine.stats.deadline_misses
 
 
@@ -418,6 +418,7 @@ def test_calls_never_wait_for_a_tick(model, tok) -> None:
     try:
         assert in_forward.wait(30)
         other = engine.open("turn", sampling=GREEDY)
+        others_events = engine.event_queue(other)
         engine.push_audio(cid, speech(0.2, seed=4))
         engine.end_turn(cid)
         engine.interrupt(other, 0)
@@ -431,6 +432,7 @@ def test_calls_never_wait_for_a_tick(model, tok) -> None:
     engine.step()
     s = engine.sessions[cid]
     assert other not in engine.sessions and engine.event_queue(cid) is s.events
+    assert list(others_events.queue) == [None], "the other's open and close were both applied, in order"
     assert s.phase is Phase.REPLY and s.turns[-1].reply_start is not None
     assert engine.snapshot().conversations == 1
 
@@ -650,3 +652,22 @@ def test_naive_mode_refuses_at_open_what_its_reservations_cannot_hold(model, tok
     none = make(model, tok, "naive", num_pages=20, max_context=512)
     with pytest.raises(Refused, match="no K/V memory"):
         none.open("turn")
+
+
+def test_a_session_whose_open_failed_is_told_and_cannot_crash_a_resume(model, tok) -> None:
+    """An open that fails inside a tick (pages taken outside admission) ends its events with the reason; resuming it
+    later is told the same way, and the engine goes on ticking (the resume used to raise inside `step`)."""
+    engine = make(model, tok, "naive", num_pages=80, max_context=512)  # 79 usable pages: two of 32
+    pages_short(engine, free=40)
+    first = engine.open("turn", admit=False)
+    late = engine.open("turn", admit=False)
+    engine.step()
+    events = drain(engine, late)
+    assert events[-1] is None and "no K/V memory" in events[0].data["message"]
+    engine.close(late)
+    engine.open("turn", session_id=late, resume=True, admit=False)
+    engine.step()
+    events = drain(engine, late)
+    assert events[-1] is None and "nothing to resume" in events[0].data["message"]
+    assert list(engine.sessions) == [first]
+    engine.cache.check()
