@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 
 import matplotlib
@@ -46,6 +45,7 @@ from bench.common import (
     percentiles,
     print_table,
     save_outputs,
+    scrape,
     write_json,
 )
 from codec.tokenizer import FRAME_SIZE, SAMPLE_RATE
@@ -199,18 +199,6 @@ async def one_turn(url: str, clip: Clip, system: str, query: str, timeout_s: flo
     return result
 
 
-def deadline_misses(url: str) -> int | None:
-    """This server's duplex deadline-miss counter (Prometheus /metrics)."""
-    try:
-        body = urllib.request.urlopen(url.replace("ws://", "http://") + "/metrics", timeout=5).read().decode()
-    except OSError:
-        return None
-    for line in body.splitlines():
-        if line.startswith("s2s_deadline_misses"):
-            return int(float(line.split()[-1]))
-    return None
-
-
 async def run_level(
     url: str, system: str, query: str, n: int, rounds: int, voices: list[Clip], timeout_s: float, max_delay: int
 ) -> list[TurnResult]:
@@ -356,11 +344,11 @@ def main(argv: list[str] | None = None) -> None:
                     if not args.quick:  # one turn to warm up (first-call costs), not measured
                         asyncio.run(run_level(url, kind, query, 1, 1, voices, timeout_s, max_delay))
                     for n in levels:
-                        misses, t0 = deadline_misses(url), time.perf_counter()
+                        # the cascade's /metrics is its speech engine's: no duplex there
+                        misses = scrape(url)["s2s_deadline_misses_total"] if module is None else None
+                        t0 = time.perf_counter()
                         results = asyncio.run(run_level(url, kind, query, n, rounds[n], voices, timeout_s, max_delay))
-                        after = deadline_misses(url)
-                        if module is not None:  # the cascade's /metrics is its speech engine's: no duplex there
-                            misses = after = None
+                        after = scrape(url)["s2s_deadline_misses_total"] if module is None else None
                         rows.append(
                             {
                                 "workload": "espeak utterances, one turn per connection",
@@ -370,7 +358,7 @@ def main(argv: list[str] | None = None) -> None:
                                 "concurrency": n,
                                 "rounds_per_client": rounds[n],
                                 "wall_s": time.perf_counter() - t0,
-                                "deadline_misses": None if None in (misses, after) else after - misses,
+                                "deadline_misses": None if None in (misses, after) else int(after - misses),
                                 "query": query,
                                 "server_args": " ".join(map(str, [module or "s2s serve", *server_args])),
                                 **summarize(results),

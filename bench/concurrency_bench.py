@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 
 import matplotlib
 
@@ -40,23 +39,13 @@ from bench.common import (
     percentiles,
     print_table,
     save_outputs,
+    scrape,
     write_json,
 )
-from server.client import SAMPLE_RATE, talk
+from codec.tokenizer import SAMPLE_RATE
+from server.client import talk
 from server.process import ServerProcess
 from server.speech import speech
-
-
-def scrape(url: str) -> dict[str, float]:
-    """The server's /metrics as {name or name{labels}: value}."""
-    with urllib.request.urlopen(url.replace("ws://", "http://") + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def rss_bytes(pid: int) -> int:

@@ -44,10 +44,11 @@ import sphn
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from bench.common import add_device_args, device_server_args, environment, parser, print_table, save_outputs
-from bench.concurrency_bench import rss_bytes, scrape, utterances
+from bench.common import add_device_args, device_server_args, environment, parser, print_table, save_outputs, scrape
+from bench.concurrency_bench import rss_bytes, utterances
+from codec.tokenizer import SAMPLE_RATE
 from server import protocol
-from server.client import SAMPLE_RATE, talk
+from server.client import talk
 from server.process import ServerProcess
 from server.protocol import BLOCK, Kind
 
@@ -253,7 +254,8 @@ def main() -> None:
     add_device_args(p)
     args = p.parse_args()
     tree = args.tree.resolve()
-    label = args.label or revision(tree)
+    commit = revision(tree)
+    label = args.label or commit
     # the servers import the tree's code: it comes first on their path, and not the working directory
     os.environ.update(PYTHONPATH=str(tree), PYTHONSAFEPATH="1")
     serve_args = ["--preset", "tiny", "--threads", str(args.threads), *device_server_args(args)]
@@ -267,7 +269,7 @@ def main() -> None:
         cascade_server = ServerProcess(*serve_args, "--token", TOKEN, "--cascade", timeout_s=600)
     with cascade_server as url:
         values.update(asyncio.run(cascade(url)))
-    env = {"revision": revision(tree), **environment()}
+    env = {"revision": commit, **environment()}
     rows = [{"bench": "hostile", "finding": k, "tree": label, "value": v, **env} for k, v in values.items()]
     title = f"Hostile clients (issue 25) against `s2s serve --preset tiny` from {tree} ({label}), "
     title += f"{time.monotonic() - started:.0f} s"

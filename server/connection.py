@@ -36,11 +36,10 @@ from websockets.protocol import State
 
 from codec.tokenizer import FRAME_SIZE, SAMPLE_RATE
 from s2s import Refused
-from server.protocol import ProtocolError, StreamError
+from server.protocol import BLOCK, ProtocolError, StreamError
 from server.vad import Endpointer, VadConfig
 
 Message = bytes | str
-SLICE = 6 * FRAME_SIZE  # samples given to the session at a time: 80 ms, what a client's message holds
 
 
 @dataclass
@@ -218,8 +217,8 @@ async def _receive(conn: Connection, session: Session, limits: Limits) -> None:
         if isinstance(item, EndTurn):
             await session.end_turn()
         elif isinstance(item, Audio):
-            for a in range(0, len(item.pcm), SLICE):
-                pcm = item.pcm[a : a + SLICE]
+            for a in range(0, len(item.pcm), BLOCK):
+                pcm = item.pcm[a : a + BLOCK]
                 await audio_pace.take(len(pcm) / SAMPLE_RATE, conn)
                 if a and conn.ws.state is not State.OPEN:  # the client went while its message waited: the rest goes
                     return
