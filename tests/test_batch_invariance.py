@@ -93,6 +93,12 @@ def test_a_step_is_the_same_bits_on_two_threads(two_threads, tiny: S2SModel) -> 
     assert differences(tiny, [23, 7, 30, 12], page_size=5, seed=3, invariant=True) == []
 
 
+MKL_ONLY = pytest.mark.skipif(
+    not torch.backends.mkl.is_available(), reason="the controls show MKL's and oneDNN's sums; other BLAS may agree"
+)
+
+
+@MKL_ONLY
 def test_the_normal_path_depends_on_the_batch(tiny: S2SModel) -> None:
     """What the invariant path fixes: MKL's sgemm sums a row by an order that depends on M, and the prefill
     attention sums in another order than the decode kernel."""
@@ -105,12 +111,14 @@ def test_linear_tiles_are_position_invariant(threads: int) -> None:
     or its neighbours; and a row computed alone equals the same row inside many tiles."""
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
+    normal_differs = []
     for k, n in ((64, 128), (256, 768), (768, 256)):
         w, x = torch.randn(n, k, generator=g), torch.randn(3 * batch_invariant.TILE + 1, k, generator=g)
         rows = torch.stack([batch_invariant.linear(x[i : i + 1], w)[0] for i in range(len(x))])
         assert torch.equal(batch_invariant.linear(x, w), rows)
         assert torch.equal(batch_invariant.linear(x.flip(0), w), rows.flip(0))
-        assert not torch.equal(F.linear(x, w)[:1], F.linear(x[:1], w))
+        normal_differs.append(not torch.equal(F.linear(x, w)[:1], F.linear(x[:1], w)))
+    assert any(normal_differs) or not torch.backends.mkl.is_available(), "the control: plain sgemm depends on M"
 
 
 def test_batch_invariant_forward_is_cpu_fp32_only() -> None:
@@ -213,6 +221,7 @@ def test_codec_rows_are_the_same_bits_in_any_call_pattern(tok: EncodecTokenizer,
     assert torch.equal(pcm, want_pcm) and same(state, want_state)
 
 
+@MKL_ONLY
 def test_codec_normal_calls_depend_on_the_pattern(tok: EncodecTokenizer) -> None:
     rng = random.Random(0)
     frames = 16
