@@ -309,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     # room for a level's conversations while the last level's are still closing
     common = ["--preset", PRESET, "--max-reply-frames", reply_frames, "--max-conversations", 2 * max(levels)]
     common += ["--threads", args.threads] if args.threads else []
+    common += ["--max-conversations-per-client", 0]  # every client connects from this process
     common += device_server_args(args)
     plan = []  # (server module (None: `s2s serve`), server args, [(system, silence ms or None, query)])
     for s in silences:

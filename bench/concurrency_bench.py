@@ -165,6 +165,7 @@ def main() -> None:
         levels, args.seconds = [1, 2, 4], 3.0
     serve_args = ["--preset", args.preset, "--frames-per-tick", "4", "--max-reply-frames", "225"]
     serve_args += ["--threads", str(args.threads), *device_server_args(args)]
+    serve_args += ["--max-conversations-per-client", "0"]  # every client connects from this process
     device = device_name(args.device)
     pcm = utterances(args.seconds, max(levels))
     rows = []

@@ -9,6 +9,7 @@ its state dict and a Llama checkpoint can initialise it. Two paths share the wei
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -49,7 +50,9 @@ class Rotary(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq
+        """Angles in float64, reduced mod 2 pi: exact to float32 at any position (an hour is 270,000 steps, where a
+        float32 product would be off by 0.02 rad)."""
+        freqs = (positions.double()[..., None] * self.inv_freq.double()).remainder(2 * math.pi).float()
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -178,7 +181,7 @@ class Backbone(nn.Module):
         if batch_invariant:
             invariant.check(x)
             batch = batch.per_query()
-        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype)
+        cos, sin = self.rotary.cos_sin(batch.rope_positions, x.dtype)
         for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True):
             x = x + layer.self_attn.forward_paged(layer.input_layernorm(x), cos, sin, batch, k, v, batch_invariant)
             x = layer._mlp_block(x, linear_for(batch_invariant))

@@ -2,6 +2,8 @@
 
 A batch holds S sequences; sequence s brings `new_len` new steps on top of `cached_len` steps whose K/V already sit
 in its pages. Decode is `new_len == 1`, extend (prefill of a prompt or a turn, on top of a cached prefix) is more.
+A step's place in its pages (`positions`: where attention and the slots count from) and its position for RoPE
+(`rope_positions`) differ by its sequence's `shift`: the steps a bounded context left out (`s2s/context.py`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import torch
 
 @dataclass
 class PagedBatch:
-    positions: torch.Tensor  # [N] absolute step position of each new token
+    positions: torch.Tensor  # [N] each new step's place in its sequence's pages
+    rope_positions: torch.Tensor  # [N] its position in the conversation (RoPE)
     slot_mapping: torch.Tensor  # [N] page * page_size + offset where its K/V goes
     page_table: torch.Tensor  # [S, max_pages] int32
     cu_seqlens_q: torch.Tensor  # [S + 1] offsets of each sequence's new tokens
@@ -32,8 +35,10 @@ class PagedBatch:
         pages: Sequence[Sequence[int]],
         page_size: int,
         device: str | torch.device = "cpu",
+        shifts: Sequence[int] | None = None,
     ) -> PagedBatch:
-        """`pages[s]` must cover `cached_lens[s] + new_lens[s]` steps; pages a sliding window dropped may be 0."""
+        """`pages[s]` must cover `cached_lens[s] + new_lens[s]` steps; pages a sliding window dropped may be 0.
+        `shifts[s]` (default 0) is added to sequence s's positions for RoPE."""
         if not (len(cached_lens) == len(new_lens) == len(pages)) or not pages:
             raise ValueError("cached_lens, new_lens and pages must be non-empty and of equal length")
         for cached, new, table in zip(cached_lens, new_lens, pages, strict=True):
@@ -48,9 +53,11 @@ class PagedBatch:
         cu[1:] = new_t.cumsum(0)
         seq = torch.repeat_interleave(torch.arange(len(pages)), new_t)
         positions = torch.arange(int(cu[-1])) - cu[:-1].long()[seq] + torch.tensor(list(cached_lens))[seq]
+        rope = positions + torch.tensor(list(shifts or [0] * len(pages)), dtype=torch.long)[seq]
         slots = table[seq, positions // page_size].long() * page_size + positions % page_size
         return cls(
             positions=positions.to(device),
+            rope_positions=rope.to(device),
             slot_mapping=slots.to(device),
             page_table=table.to(device),
             cu_seqlens_q=cu.to(device),
@@ -72,6 +79,7 @@ class PagedBatch:
         seqs = [s for s, n in enumerate(self.new_lens) for _ in range(n)]
         return PagedBatch(
             positions=self.positions,
+            rope_positions=self.rope_positions,
             slot_mapping=self.slot_mapping,
             page_table=self.page_table.repeat_interleave(q_lens, dim=0),
             cu_seqlens_q=torch.arange(len(seqs) + 1, dtype=self.cu_seqlens_q.dtype, device=self.positions.device),

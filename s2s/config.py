@@ -150,7 +150,7 @@ class EngineConfig:
     kv_budget_bytes: int | None = None
     num_pages: int | None = 4096  # used when kv_budget_bytes is None
     max_conversations: int = 32
-    max_context: int = 4096  # steps; naive mode reserves this much per conversation
+    max_context: int = 2250  # steps a step attends to besides its sink (30 s: `s2s/context.py`); bounds its pages
     frames_per_tick: int = 1  # duplex steps per conversation per tick: the codec works on chunks this long
     prefill_budget: int = 256  # prefill steps per tick, all conversations together
     background_budget: int = 16  # of those, for work nobody waits on, in a tick someone waits on (`Scheduler`)

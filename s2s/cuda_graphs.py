@@ -14,6 +14,8 @@ the graph embeds through `embed_checked`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -54,6 +56,7 @@ class DecodeGraphs:
         b = self.sizes[-1]
         self.tokens = torch.zeros(b, cfg.step_width, dtype=torch.long, device=device)
         self.positions = torch.zeros(b, dtype=torch.long, device=device)
+        self.rope_positions = torch.zeros(b, dtype=torch.long, device=device)
         self.slots = torch.full((b,), -1, dtype=torch.long, device=device)
         self.page_table = torch.zeros(b, max_pages, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(b + 1, dtype=torch.int32, device=device)
@@ -66,6 +69,7 @@ class DecodeGraphs:
     def _batch(self, size: int) -> PagedBatch:
         return PagedBatch(
             positions=self.positions[:size],
+            rope_positions=self.rope_positions[:size],
             slot_mapping=self.slots[:size],
             page_table=self.page_table[:size],
             cu_seqlens_q=self.cu_seqlens_q[: size + 1],
@@ -103,12 +107,19 @@ class DecodeGraphs:
                 self.graphs[size] = graph
             torch.cuda.synchronize(device)
 
-    def fits(self, num_seqs: int, pages: list[list[int]]) -> bool:
+    def fits(self, num_seqs: int, pages: Sequence[Sequence[int]]) -> bool:
         return num_seqs <= self.sizes[-1] and all(len(p) <= self.max_pages for p in pages)
 
-    def run(self, tokens: np.ndarray, cached_lens: list[int], pages: list[list[int]]) -> torch.Tensor:
+    def run(
+        self,
+        tokens: np.ndarray,
+        cached_lens: Sequence[int],
+        pages: Sequence[Sequence[int]],
+        shifts: Sequence[int] | None = None,
+    ) -> torch.Tensor:
         """One decode round: `tokens[s]` `[2K]` is sequence s's new step, written at position `cached_lens[s]` of
-        its `pages`. Returns the logits `[S, K, vocab]` (a copy: the graph's output buffer is reused)."""
+        its `pages`, at position `cached_lens[s] + shifts[s]` for RoPE (`PagedBatch`). Returns the logits
+        `[S, K, vocab]` (a copy: the graph's output buffer is reused)."""
         n = len(cached_lens)
         vocab = self.model.config.vocab_size
         if tokens.shape != (n, self.model.config.step_width):
@@ -133,11 +144,14 @@ class DecodeGraphs:
         seqlens[:n] = pos + 1
         padded_pos = np.zeros(size, dtype=np.int64)
         padded_pos[:n] = pos
+        rope = padded_pos.copy()
+        rope[:n] += np.asarray(shifts if shifts is not None else [0] * n, dtype=np.int64)
         padded_tokens = np.zeros((size, tokens.shape[1]), dtype=np.int64)
         padded_tokens[:n] = tokens
         for dst, src in (
             (self.tokens, padded_tokens),
             (self.positions, padded_pos),
+            (self.rope_positions, rope),
             (self.slots, slots),
             (self.page_table[:, : table.shape[1]], table),
             (self.seqlens_k, seqlens),

@@ -15,6 +15,7 @@ rows to `AudioIO`; the batch to `ModelRunner`; the pick, preemption order, admis
 from __future__ import annotations
 
 import functools
+import logging
 import queue
 import threading
 import time
@@ -25,9 +26,11 @@ import torch
 
 from cache import OutOfPages, PagePool
 from codec import EncodecTokenizer
+from codec.tokenizer import SAMPLE_RATE
 from s2s.audio_io import AudioIO
 from s2s.calibration import calibrate
 from s2s.config import FRAME_S, EngineConfig
+from s2s.context import ContextBound
 from s2s.events import AudioEvent, CodesEvent, EventQueue, MetaEvent
 from s2s.kv_manager import KVManager
 from s2s.metrics import CostModel, EngineSnapshot, EngineStats
@@ -37,6 +40,8 @@ from s2s.registry import Refused, Registry
 from s2s.sampling import SamplingParams
 from s2s.scheduler import Admission, Scheduler, Work
 from s2s.session import Phase, Session, Turn
+
+log = logging.getLogger("s2s.engine")
 
 __all__ = ["FRAME_S", "AudioEvent", "CodesEvent", "Engine", "EngineConfig", "EngineSnapshot", "MetaEvent", "Refused"]
 
@@ -70,7 +75,9 @@ class Engine:
             device=param.device,
         )
         self.stats = EngineStats()
-        self.kv = KVManager(self.pool, cfg.cache_mode, cfg.max_context, self.stats)
+        self.bound = ContextBound.of(cfg.max_context, cfg.page_size, cfg.max_reply_frames, mcfg.max_delay)
+        self._check_in_range(1)
+        self.kv = KVManager(self.pool, cfg.cache_mode, self.bound, self.stats)
         self.cache = self.kv.cache
         self.runner = self.runner_class(model, self.pool, cfg.max_conversations, cfg.cuda_graphs, cfg.deterministic)
         rows = cfg.max_conversations
@@ -87,12 +94,20 @@ class Engine:
         self.voices: dict[str, np.ndarray] = {}  # named voice prompts (codes [K, P])
         self._closed_context: dict[str, dict] = {}  # closed sessions' context, for resume (the engine thread's)
         self.registry = Registry(
-            mcfg, self.admission, cfg.max_conversations, cfg.session_ttl_s, self.stats, clock, self._forget_snapshot
+            mcfg,
+            self.admission,
+            self.bound,
+            cfg.max_conversations,
+            cfg.session_ttl_s,
+            self.stats,
+            clock,
+            self._forget_snapshot,
         )
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by `end_turn`: the engine thread ticks at once
+        self._checked_idle = True  # `_check_when_idle` has run since the last conversation went
         calibrate(self)
         self._publish()
 
@@ -100,7 +115,9 @@ class Engine:
 
     def add_voice(self, name: str, codes: np.ndarray | torch.Tensor) -> None:
         """Register a voice prompt under `name`; conversations opened with `prompt=name` share its prefix."""
-        self.voices[name] = self.model.config.checked_codes(codes, "voice codes")
+        codes = self.model.config.checked_codes(codes, "voice codes")
+        self._check_in_range(self.bound.sink_pages(codes.shape[1]))
+        self.voices[name] = codes
 
     def open(
         self,
@@ -124,6 +141,7 @@ class Engine:
             prompt = self.voices[prompt]
         elif prompt is not None:
             prompt = self.model.config.checked_codes(prompt, "prompt codes")
+            self._check_in_range(self.bound.sink_pages(prompt.shape[1]))
         s = self.registry.admit(mode, sampling or SamplingParams(), session_id, resume, admit)
         self._commands.put(functools.partial(self._apply_open, s, prompt, resume))
         return s.id
@@ -132,14 +150,15 @@ class Engine:
         """User PCM (float32, 24 kHz, any length); encoded in the next tick with everyone else's."""
         if self.tok is None:
             raise ValueError("this engine has no codec: feed it codes with push_codes")
-        s = self.registry.fed(cid, "audio")
-        self._commands.put(functools.partial(self._apply_input, s, np.asarray(pcm, dtype=np.float32).reshape(-1)))
+        s, pcm = self.registry.fed(cid, "audio"), np.asarray(pcm, dtype=np.float32).reshape(-1)
+        self._commands.put(functools.partial(self._apply_input, s, pcm, len(pcm) / SAMPLE_RATE, self.clock()))
 
     def push_codes(self, cid: str, codes: np.ndarray | torch.Tensor) -> None:
         """User frames given as codes `[K, n]` (ids below `codebook_size`), taken in the next tick as they are: the
         input of a codec-free engine, or text bytes fed to a speech model as its user stream."""
         codes = self.model.config.checked_codes(codes, "codes")
-        self._commands.put(functools.partial(self._apply_input, self.registry.fed(cid, "codes"), codes))
+        s, seconds = self.registry.fed(cid, "codes"), codes.shape[1] * FRAME_S
+        self._commands.put(functools.partial(self._apply_input, s, codes, seconds, self.clock()))
 
     def end_turn(self, cid: str) -> None:
         """Turn mode: the user finished speaking; the reply starts once their audio is in."""
@@ -160,6 +179,19 @@ class Engine:
         if s.mode != "turn":
             raise ValueError("regenerate is for turn mode")
         self._commands.put(functools.partial(self._apply_regenerate, s))
+
+    def pause(self, cid: str) -> None:
+        """Stop the conversation's stream: nothing is computed for it, input pushed meanwhile is dropped, and its
+        context is kept (its pages are the first to go when the pool runs short: it recomputes them on `unpause`)."""
+        self._commands.put(functools.partial(self._apply_pause, self.registry.get(cid), True))
+
+    def unpause(self, cid: str) -> None:
+        """Start a paused conversation's stream again where it stopped; its frame deadlines count from now."""
+        self._commands.put(functools.partial(self._apply_pause, self.registry.get(cid), False))
+
+    def restart(self, cid: str) -> None:
+        """Take the conversation back to its voice prompt: the rest of its context goes, turns count from 0."""
+        self._commands.put(functools.partial(self._apply_restart, self.registry.get(cid)))
 
     def close(self, cid: str) -> None:
         """End the conversation: its context goes into the prefix cache, its private pages are freed, and its event
@@ -208,6 +240,7 @@ class Engine:
                 work_done.append(work)
             self._timed("decode", self.audio.decode, self.sessions.values())
             self._finish_replies()
+            self._check_when_idle()
             self._record(start, work_done)
 
     def _ingest(self) -> None:
@@ -232,7 +265,8 @@ class Engine:
         now = self.clock()
         for i, w in enumerate(work):
             s = w.session
-            s.last_active, s.computed, s.last_logits = now, s.computed + len(w.tokens), logits[i]
+            s.last_active, s.last_logits = now, logits[i]
+            s.advance(len(w.tokens))
             turn = s.turns[-1] if s.turns else None
             if turn is not None and turn.reply_start is not None and s.computed >= turn.reply_start:
                 turn.times.setdefault("prefill_done", now)
@@ -272,6 +306,24 @@ class Engine:
         self.stats.record_tick(elapsed, prefill)
         self._publish()
 
+    def _check_when_idle(self) -> None:
+        """Once each time the last conversation has gone: every page free or cached, the pool's counts consistent
+        (`PrefixCache.check`); a failure is counted and logged, and the engine goes on."""
+        if self.sessions:
+            self._checked_idle = False
+            return
+        if self._checked_idle:
+            return
+        self._checked_idle = True
+        self.stats.kv_checks += 1
+        try:
+            self.cache.check()
+            c = self.cache.stats()
+            assert c.private == c.cached_locked == 0, f"pages held with no conversation open: {c}"
+        except AssertionError:
+            self.stats.kv_check_failures += 1
+            log.exception("page integrity check failed")
+
     def _timed(self, phase: str, fn: Callable, *args, **kw) -> None:
         t = self.clock()
         fn(*args, **kw)
@@ -299,7 +351,7 @@ class Engine:
         """A duplex session still has a step it could take now: its input came in faster than a tick's worth
         (clients send 80 ms blocks), so the next tick starts at once instead of waiting for its slot."""
         return any(
-            s.mode == "duplex" and s.step_token(s.computed) is not None and s.wanted_after(1)
+            s.mode == "duplex" and not s.paused and s.step_token(s.computed) is not None and s.wanted_after(1)
             for s in self.sessions.values()
         )
 
@@ -328,9 +380,28 @@ class Engine:
         if not s.turns and (s.mode == "duplex" or s.prompt_frames):
             s.turns.append(Turn(0, s.prompt_frames))
 
-    def _apply_input(self, s: Session, data: np.ndarray) -> None:
-        if self.sessions.get(s.id) is s:  # not one whose open failed
+    def _apply_input(self, s: Session, data: np.ndarray, seconds: float, pushed_at: float) -> None:
+        if self.sessions.get(s.id) is s and not s.paused:  # not one whose open failed
             s.pending.append(data)
+            s.note_input(seconds, pushed_at)
+
+    def _apply_pause(self, s: Session, paused: bool) -> None:
+        if self.sessions.get(s.id) is not s or s.paused == paused:
+            return
+        s.paused = paused
+        turn = s.turns[-1].id if s.turns else 0
+        s.events.put(MetaEvent(s.id, turn, {"event": "paused" if paused else "started"}))
+
+    def _apply_restart(self, s: Session) -> None:
+        if self.sessions.get(s.id) is not s:
+            return
+        self._rewind(s, s.restart())
+        if s.mode == "duplex" and not s.prompt_frames:
+            s.model[0] = self.model.config.silent_id
+        if s.mode == "duplex" or s.prompt_frames:
+            s.turns.append(Turn(0, s.prompt_frames))
+        self.audio.reset(s.row)
+        s.events.put(MetaEvent(s.id, 0, {"event": "restarted"}))
 
     def _fail_open(self, s: Session, reason: str) -> None:
         """The session never goes live: its events end with the reason (its row is free once it is closed)."""
@@ -362,3 +433,13 @@ class Engine:
     def _rewind(self, s: Session, frame: int) -> None:
         s.rewind(frame)
         self.kv.trim(s)
+
+    def _check_in_range(self, sink_pages: int) -> None:
+        """What a step sees (its sink and window) stays within the positions the model was built for."""
+        seen = (sink_pages + self.bound.window_pages) * self.bound.page_size
+        limit = self.model.config.max_position_embeddings
+        if seen > limit:
+            raise ValueError(
+                f"a step would see {seen} steps (a sink of {sink_pages} pages and a window of "
+                f"{self.bound.window_pages}), over the model's {limit} positions: shorten the prompt or the window"
+            )

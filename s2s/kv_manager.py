@@ -10,6 +10,10 @@ who holds a reference on a page).
   steps before the cut the same way (`trim`).
 - When the pool runs out, `reserve` preempts the session the scheduler names (`Scheduler.victim`): its full pages go
   to the cache, and it gets back on its next match whatever was not evicted meanwhile.
+- A conversation's context is bounded (`s2s/context.py`): before each chunk, `slide` gives back the pages that left
+  its window, and forgets their frames. The first time, its cache lock moves to its sink: the prefix cache keeps
+  what it has up to the gap, and nothing after it (no cached prefix can be what a conversation has past a gap). One
+  with a gap that is preempted recomputes its sink and its kept window, each step seeing what is kept before it.
 """
 
 from __future__ import annotations
@@ -18,22 +22,24 @@ import math
 from collections.abc import Callable, Iterable
 
 from cache import MatchResult, OutOfPages, PagePool, make_cache
+from s2s.context import ContextBound
 from s2s.metrics import EngineStats
 from s2s.scheduler import Work
 from s2s.session import Phase, Session
 
 
 class KVManager:
-    def __init__(self, pool: PagePool, cache_mode: str, max_context: int, stats: EngineStats):
-        self.pool, self.cache, self.stats = pool, make_cache(cache_mode, pool), stats
+    def __init__(self, pool: PagePool, cache_mode: str, bound: ContextBound, stats: EngineStats):
+        self.pool, self.cache, self.stats, self.bound = pool, make_cache(cache_mode, pool), stats, bound
         self.page_size = pool.page_size
-        self.reserved_on_open = self.cache.pages_on_open(max_context)  # naive: every page a session may need
+        self.reserves = self.cache.pages_on_open(1) > 0  # naive: every page a session may hold, at open
         self.inserts = 0  # prefix-cache inserts so far: a session re-matches only after new ones
 
     @property
     def capacity(self) -> int | None:
-        """Sessions that fit when each reserves its pages at open (naive), else None (no fixed bound)."""
-        return self.pool.num_usable // self.reserved_on_open if self.reserved_on_open else None
+        """Sessions that fit when each reserves its pages at open (naive; counted for a one-page sink and turn mode,
+        the most), else None (no fixed bound)."""
+        return self.pool.num_usable // self.bound.max_pages(1, "turn") if self.reserves else None
 
     def attach(self, s: Session) -> None:
         """Match the longest cached prefix of what the session knows so far and lock it; reserve pages up front
@@ -49,9 +55,9 @@ class KVManager:
             s.own_pages += s.pages[len(m.pages) :]
             self.cache.record_hits(s.computed - m.cached_steps, s.computed - m.cached_steps)
             s.cached_at_open = s.computed
-        if self.reserved_on_open:
+        if self.reserves:
             try:
-                s.own_pages += self.cache.alloc(max(0, self.reserved_on_open - len(s.pages)))
+                s.own_pages += self.cache.alloc(max(0, self.bound.max_pages(s.sink, s.mode) - len(s.pages)))
             except OutOfPages:
                 self.detach(s)
                 raise
@@ -64,8 +70,13 @@ class KVManager:
             s.handle = None
 
     def insert(self, s: Session, lock: bool) -> None:
-        """Cache the session's full pages; with `lock`, it keeps them locked (it goes on using them)."""
+        """Cache the session's full pages (up to its gap, if it has one); with `lock`, it keeps them locked (it goes
+        on using them)."""
         full = s.computed // self.page_size * self.page_size
+        if s.dropped:
+            full = min(full, s.sink * self.page_size)
+            if s.handle is not None and s.handle.steps >= full:
+                return  # it holds all it can cache
         if full == 0:
             return
         self.inserts += 1
@@ -84,9 +95,12 @@ class KVManager:
         if not self.cache.shares_prefixes:
             return
         for s in sessions:
-            if s.seen_inserts == self.inserts or s.step_token(s.computed + self.page_size) is None:
-                continue  # nothing new in the cache, or less than a page of prefill waiting
-            if s.dormant:
+            if s.seen_inserts == self.inserts:
+                continue  # nothing new in the cache
+            ahead = s.computed + self.page_size
+            if ahead > s.sink * self.page_size if s.dropped else s.step_token(ahead) is None:
+                continue  # less than a page of prefill waiting (past a gap: of its sink, all it can match)
+            if s.waiting:
                 continue  # locking its old pages again would take them from whoever preempted it
             s.seen_inserts = self.inserts
             m = self.cache.match(s.known_key(), record=False)
@@ -112,15 +126,21 @@ class KVManager:
 
     def trim(self, s: Session) -> None:
         """After a rewind (`Session.rewind`): the pages past `computed` go back to the pool, and a page the cut falls
-        in that others hold is replaced by a copy of its steps before the cut (or they are computed again)."""
-        keep = math.ceil(s.computed / self.page_size)
+        in that others hold is replaced by a copy of its steps before the cut (or they are computed again). A rewind
+        into the sink closes the gap."""
+        if not s.can_rewind(s.computed + 1):
+            raise AssertionError(f"{s.id}: rewound to step {s.computed}, whose window has left its table")
+        keep = math.ceil(s.computed / self.page_size)  # in the table, past the gap
+        if keep <= s.sink:
+            s.dropped = 0
+        keep -= s.dropped
         if s.computed % self.page_size and len(s.pages) >= keep:
             last = s.pages[keep - 1]
             if last not in s.own_pages or self.pool.refcount(last) > 1:
                 copy = self._private_copy(last, s.computed % self.page_size)
                 if copy is None:
                     keep -= 1
-                    s.computed = keep * self.page_size
+                    s.computed = (keep + s.dropped) * self.page_size
                     s.last_logits = None
                 else:
                     s.pages[keep - 1] = copy
@@ -128,13 +148,36 @@ class KVManager:
                     if last in s.own_pages:
                         s.own_pages.remove(last)
                         self.cache.release([last])
-        if not self.reserved_on_open and len(s.pages) > keep:
+        if not self.reserves and len(s.pages) > keep:
             owned = set(s.own_pages)
             released = [p for p in s.pages[keep:] if p in owned]
             s.pages = s.pages[:keep]
             gone = set(released)
             s.own_pages = [p for p in s.own_pages if p not in gone]
             self.cache.release(released)
+
+    def slide(self, s: Session) -> None:
+        """Give back the pages that left the session's window (`ContextBound.keep_from`) and forget their frames.
+        Naive mode keeps them among its own, reserved: its next pages come from there."""
+        ps = self.page_size
+        drop = self.bound.keep_from(s.sink, s.computed, s.mode) - (s.sink + s.dropped)
+        if drop <= 0 or len(s.pages) < s.sink + drop:
+            return
+        if not s.dropped and s.handle is not None and s.handle.steps > s.sink * ps:
+            handle = self.cache.insert(s.key(s.sink * ps), s.pages[: s.sink])  # what the cache holds of its sink
+            self.cache.lock(handle)
+            self.cache.unlock(s.handle)
+            s.handle = handle
+        gone = s.pages[s.sink : s.sink + drop]
+        del s.pages[s.sink : s.sink + drop]
+        s.dropped += drop
+        if not self.reserves:
+            released = set(gone) & set(s.own_pages)
+            s.own_pages = [p for p in s.own_pages if p not in released]
+            self.cache.release(list(released))
+        first = (s.sink + s.dropped) * ps - s.cfg.max_delay  # the first frame its steps from there read
+        s.user.forget(s.sink * ps, first)
+        s.model.forget(s.sink * ps, first)
 
     def reserve(self, work: list[Work], victim: Callable[[Session, set[str]], Session | None]) -> list[Work]:
         """Pages for this round's work. When the pool runs short, a session preempts the one `victim` names; a
@@ -148,20 +191,21 @@ class KVManager:
             s = w.session
             if s.id in preempted:
                 continue
-            while (need := math.ceil((s.computed + len(w.tokens)) / self.page_size) - len(s.pages)) > 0:
+            self.slide(s)
+            while (need := math.ceil((s.computed + len(w.tokens)) / self.page_size) - s.table_pages) > 0:
                 in_table = set(s.pages)
                 take = [p for p in s.own_pages if p not in in_table][:need]  # naive: reserved up front
                 try:
                     new = take + (self.cache.alloc(need - len(take)) if need > len(take) else [])
                 except OutOfPages:
                     self.stats.out_of_pages += 1
-                    if not self.reserved_on_open and (v := victim(s, busy - preempted)) is not None:
+                    if not self.reserves and (v := victim(s, busy - preempted)) is not None:
                         self.preempt(v)
                         preempted.add(v.id)
                         kept = [k for k in kept if k.session is not v]
                         continue
                     c = self.cache.stats()
-                    fit = (len(s.pages) + c.free + c.cached_evictable) * self.page_size - s.computed
+                    fit = (s.table_pages + c.free + c.cached_evictable) * self.page_size - s.computed
                     if not w.decode and 0 < fit < len(w.tokens):
                         w = Work(s, w.tokens[:fit], False)
                         continue

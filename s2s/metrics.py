@@ -92,6 +92,8 @@ class EngineStats:
     busy_seconds: float = 0.0  # all ticks' time: its rate over a window is the engine's real-time factor
     prefill_steps: int = 0  # steps computed other than as a sampled decode step (what a prefix cache saves)
     copied_steps: int = 0  # steps whose K/V were copied from a page others hold instead of computed (copy-on-write)
+    kv_checks: int = 0  # page integrity checks, run when no conversation is open (`Engine._check_when_idle`)
+    kv_check_failures: int = 0
     tick_seconds: deque = field(default_factory=lambda: deque(maxlen=1000))  # the last ticks only: see busy_seconds
     # where tick time goes: the codec's encoder and decoder, scheduling, the model (forward and sampling); the
     # rest of busy_seconds is bookkeeping (replies starting and ending, prefix re-matching)

@@ -29,7 +29,7 @@ class ModelRunner:
             batch_invariant_kernels.check(pool.k[0])
         self.graphs = None
         if cuda_graphs and not batch_invariant and self.device.type == "cuda":
-            max_pages = math.ceil(model.config.max_position_embeddings / pool.page_size)
+            max_pages = math.ceil(model.config.max_position_embeddings / pool.page_size)  # what a window may see
             self.graphs = DecodeGraphs(model, pool.k, pool.v, pool.page_size, max_batch, max_pages=max_pages)
         if self.device.type == "cuda":
             with self.on_device():
@@ -51,6 +51,7 @@ class ModelRunner:
         for steps in (1, max(1, 32 // group), 64):
             batch = PagedBatch(
                 positions=torch.arange(steps, device=self.device),
+                rope_positions=torch.arange(steps, device=self.device),
                 slot_mapping=torch.full((steps,), -1, dtype=torch.long, device=self.device),
                 page_table=torch.zeros(1, -(-steps // ps), dtype=torch.int32, device=self.device),
                 cu_seqlens_q=torch.tensor([0, steps], dtype=torch.int32, device=self.device),
@@ -65,14 +66,11 @@ class ModelRunner:
 
     def forward(self, work: list[Work]) -> torch.Tensor:
         """Logits `[len(work), K, V]` of each piece of work's last step; K/V of every step go into its pages."""
-        sessions = [w.session for w in work]
         tokens = np.concatenate([w.tokens for w in work])
-        pages = [s.pages for s in sessions]
+        pages, cached, shifts = zip(*(w.session.visible() for w in work), strict=True)
         if self.graphs is not None and len(tokens) == len(work) and self.graphs.fits(len(work), pages):
-            return self.graphs.run(tokens, [s.computed for s in sessions], pages)
-        batch = PagedBatch.build(
-            [s.computed for s in sessions], [len(w.tokens) for w in work], pages, self.pool.page_size, self.device
-        )
+            return self.graphs.run(tokens, cached, pages, shifts)
+        batch = PagedBatch.build(cached, [len(w.tokens) for w in work], pages, self.pool.page_size, self.device, shifts)
         device_tokens = torch.from_numpy(tokens).to(self.device)
         out = self.model.forward_paged(device_tokens, batch, self.pool.k, self.pool.v, self.batch_invariant)
         return out.logits

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable
 
 from s2s.config import ModelConfig
+from s2s.context import ContextBound
 from s2s.metrics import EngineStats
 from s2s.sampling import SamplingParams
 from s2s.scheduler import Admission
@@ -24,6 +25,7 @@ class Registry:
         self,
         model_config: ModelConfig,
         admission: Admission,
+        bound: ContextBound,
         rows: int,
         ttl_s: float,
         stats: EngineStats,
@@ -37,6 +39,7 @@ class Registry:
             stats,
             clock,
         )
+        self.bound = bound
         self.forget = forget  # told of a closed session that can no longer be resumed
         self._lock = threading.Lock()
         self._open: dict[str, Session] = {}
@@ -54,14 +57,16 @@ class Registry:
                 raise KeyError(f"no closed session {session_id!r} to resume (never opened, or older than the TTL)")
             if session_id in self._open:
                 raise ValueError(f"session {session_id!r} is already open")
-            reason = self.admission.problem(len(self._open)) if admit else None
+            now = self.clock()
+            streams = sum(s.streaming(now) for s in self._open.values())
+            reason = self.admission.problem(len(self._open), streams) if admit else None
             if reason is None and not self._free_rows:
                 reason = f"the engine holds its maximum of {len(self._open)} conversations (one a codec row)"
             if reason:
                 self.stats.refused += 1
                 raise Refused(reason)
             cid = session_id or f"s{next(self._ids)}"
-            s = Session(cid, mode, self.model_config, sampling, self._free_rows[-1], self.clock())
+            s = Session(cid, mode, self.model_config, sampling, self._free_rows[-1], self.clock(), self.bound)
             self._free_rows.pop()  # taken only once nothing more can fail
             self._open[cid] = s
             self._resumable.pop(cid, None)

@@ -64,7 +64,7 @@ class Scheduler:
         """This round's work; `prefill=False` for the extra rounds of a multi-frame tick (decode steps only)."""
         decode, waiting = [], []
         for s in sessions:
-            if s.dormant:  # preempted while idle: nothing to compute until its user speaks again
+            if s.waiting:  # paused, or preempted while idle: nothing to compute until it goes on
                 self._waiting_since.pop(s.id, None)
                 continue
             tokens = s.ready_steps(self.prefill_budget if prefill else 2)
@@ -116,15 +116,19 @@ class Scheduler:
         """Whose pages `s` may take when the pool runs short (`sessions` in the order they opened); None: it waits.
         Pages held only through a cache lock count too: unlocked, they become evictable.
 
-        First a listener between turns (its last turn answered, nothing to compute), least recently active first:
-        nothing needs its K/V soon. A user mid-utterance with nothing to compute until their next 80 ms block would
-        recompute the whole conversation before their answer, so only a session someone is waiting on (its reply,
-        or a live duplex stream: `urgent`) takes theirs; the recompute then partly hides behind the rest of their
-        speech. Otherwise vLLM's order, first come first served: the one opened last, if it opened after `s` (`s`
-        may hold no pages: one preempted earlier whose user now speaks). The one opened last never preempts itself:
-        every older session that needs its pages takes them, and it would only compute them again into the same
+        First a paused one (least recently active first: its user asked it to wait), then a listener between turns
+        (its last turn answered, nothing to compute), least recently active first: nothing needs its K/V soon. A
+        user mid-utterance with nothing to compute until their next 80 ms block would recompute the whole
+        conversation before their answer, so only a session someone is waiting on (its reply, or a live duplex
+        stream: `urgent`) takes theirs; the recompute then partly hides behind the rest of their speech. Otherwise
+        vLLM's order, first come first served: the one opened last, if it opened after `s` (`s` may hold no pages:
+        one preempted earlier whose user now speaks). The one opened last never preempts itself: every older
+        session that needs its pages takes them, and it would only compute them again into the same
         short pool the next tick."""
         others = [o for o in sessions if o.pages and o is not s]
+        paused = [o for o in others if o.paused and o.id not in busy]
+        if paused:
+            return min(paused, key=lambda o: o.last_active)
         listening = [
             o
             for o in others
@@ -142,9 +146,11 @@ class Admission:
     """Whether another session fits: under the session count and the K/V capacity, and a predicted tick within
     `headroom` of the frame budget (codec rows are the `Registry`'s).
 
-    Every session counts as a real-time stream: a turn-mode one replies one step per frame, like duplex, and all of
-    them may reply at once (counting only duplex let 16 turn sessions starve together). An idle engine always admits
-    one: nothing else would ever correct a pessimistic cost model."""
+    A session is charged what it costs: a real-time stream (one step per frame, and its audio through the codec)
+    while its user's audio comes in or it replies (`Session.streaming`), nothing while it sits silent or paused,
+    which is when an idle socket would otherwise hold a speaker's worst case. The newcomer counts as a stream. Turn
+    sessions count like duplex ones when they stream: counting only duplex let 16 turn sessions starve together. An
+    idle engine always admits one: nothing else would ever correct a pessimistic cost model."""
 
     def __init__(
         self, cost: CostModel, max_sessions: int, kv_capacity: int | None, frames_per_tick: int, headroom: float
@@ -153,8 +159,8 @@ class Admission:
         self.cost, self.max_sessions, self.kv_capacity = cost, max_sessions, kv_capacity
         self.frames_per_tick, self.headroom = frames_per_tick, headroom
 
-    def problem(self, sessions: int) -> str | None:
-        """Why a session cannot be admitted beside `sessions` others, or None."""
+    def problem(self, sessions: int, streams: int) -> str | None:
+        """Why a session cannot be admitted beside `sessions` others, `streams` of them streaming, or None."""
         if sessions >= self.max_sessions:
             return f"the engine holds its maximum of {self.max_sessions} conversations"
         if self.kv_capacity is not None and sessions >= self.kv_capacity:
@@ -164,7 +170,7 @@ class Admission:
             )
         if not sessions:
             return None
-        streams = sessions + 1
+        streams += 1
         predicted = self.cost.predict(self.frames_per_tick, streams * self.frames_per_tick)
         budget = self.frames_per_tick * FRAME_S * self.headroom
         if predicted is not None and predicted > budget:

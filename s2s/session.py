@@ -14,6 +14,7 @@ reply starts, is cut by a barge-in, ends, is regenerated) is here.
 
 from __future__ import annotations
 
+import copy
 import enum
 from dataclasses import dataclass, field
 
@@ -21,10 +22,13 @@ import numpy as np
 import torch
 
 from s2s.config import ModelConfig
+from s2s.context import ContextBound
 from s2s.events import EventQueue
+from s2s.frames import UNKNOWN, Frames
 from s2s.sampling import SamplingParams
 
-UNKNOWN = -1
+STREAMING_S = 1.0  # a session whose user's audio came in this recently is a stream (admission)
+INPUT_GAP_S = 0.5  # input this far behind real time is a gap (muted, paused), not a server too slow to read it
 
 
 class Phase(enum.Enum):
@@ -44,10 +48,20 @@ class Turn:
 
 
 class Session:
-    def __init__(self, cid: str, mode: str, cfg: ModelConfig, sampling: SamplingParams, row: int, now: float):
+    def __init__(
+        self,
+        cid: str,
+        mode: str,
+        cfg: ModelConfig,
+        sampling: SamplingParams,
+        row: int,
+        now: float,
+        bound: ContextBound | None = None,
+    ):
+        """`bound`: what its steps attend to (`s2s/context.py`); None: everything before them."""
         if mode not in ("duplex", "turn"):
             raise ValueError(f"mode must be duplex or turn, got {mode!r}")
-        self.id, self.mode, self.cfg, self.row = cid, mode, cfg, row
+        self.id, self.mode, self.cfg, self.row, self.bound = cid, mode, cfg, row, bound
         self.events = EventQueue()
         self.input_kind: str | None = None  # "audio" or "codes", fixed by the first push (checked by the caller)
         self.pending: list[np.ndarray] = []  # pushed PCM or codes, not yet encoded
@@ -55,12 +69,14 @@ class Session:
         self.sampling = sampling
         self.generator = sampling.generator()
         self.delays = np.asarray(cfg.delays)
-        k = cfg.num_codebooks
-        self.user = np.full((64, k), UNKNOWN, dtype=np.int64)
-        self.model = np.full((64, k), UNKNOWN, dtype=np.int64)
+        self.user, self.model = Frames(cfg.num_codebooks), Frames(cfg.num_codebooks)
+        self.complete = 0  # model frames known in every codebook, from frame 0 (`complete_model_frames`)
         self.user_frames = 0  # frames of the user stream known so far (contiguous)
         self.computed = 0  # steps whose K/V sit in `pages`
-        self.pages: list[int] = []  # the page table
+        self.pages: list[int] = []  # the page table: the sink's pages, then those from `sink + dropped` on
+        self.sink = bound.sink_pages(0) if bound else 0  # pages of the attention sink (`ContextBound`)
+        self.dropped = 0  # pages after the sink that left the window (the page table skips them)
+        self.paused = False  # its stream is stopped: nothing is computed for it
         self.own_pages: list[int] = []  # pages this conversation allocated (it holds a reference on each)
         self.handle = None  # the cache handle it holds locked
         self.last_logits: torch.Tensor | None = None  # logits of step `computed`, from the last forward
@@ -72,11 +88,26 @@ class Session:
         self.last_active = now  # its last computed step
         self.idle_frames = -1  # user frames when it was preempted while listening (`dormant`)
         self.first_frame_at: float | None = None  # when the first user frame reached the engine (deadlines)
+        self.last_heard: float | None = None  # when user frames last reached the engine (`streaming`)
+        self.input_started: float | None = None  # when its input would have begun, had it come without gaps
+        self.input_s = 0.0  # seconds of input pushed
         self.prompt_frames = 0
         self.cached_at_open = 0  # steps the prefix cache gave back when it opened
         self.open_key_steps = 0  # steps known when it opened (what the first match looked up)
         self.seen_inserts = -1  # `KVManager.inserts` when this session last matched
         self.deadline_misses = 0  # duplex frames sent after their deadline (`AudioIO`)
+
+    def streaming(self, now: float) -> bool:
+        """It costs a real-time stream now: it replies, or its user's audio came in within the last second (read
+        from callers' threads: a stale answer is a tick old)."""
+        if self.paused:
+            return False
+        return self.phase is Phase.REPLY or (self.last_heard is not None and now - self.last_heard < STREAMING_S)
+
+    @property
+    def waiting(self) -> bool:
+        """Nothing is to be computed for it now: paused, or `dormant`."""
+        return self.paused or self.dormant
 
     @property
     def dormant(self) -> bool:
@@ -85,32 +116,37 @@ class Session:
         return self.phase is Phase.LISTEN and self.user_frames <= self.idle_frames
 
     def snapshot(self) -> dict:
-        """What a resumed conversation needs: both streams, the turns, the prompt length."""
+        """What a resumed conversation needs: both streams (what is kept of them), the turns, its sink and gap."""
+        user, model = copy.deepcopy(self.user), copy.deepcopy(self.model)
+        user.truncate(self.user_frames)
+        model.truncate(self.user_frames)
         return {
-            "user": self.user[: self.user_frames].copy(),
-            "model": self.model[: self.user_frames].copy(),
+            "user": user,
+            "model": model,
+            "frames": self.user_frames,
             "turns": [Turn(t.id, t.first_frame, t.reply_start, t.reply_end) for t in self.turns],
             "prompt_frames": self.prompt_frames,
+            "sink": self.sink,
+            "dropped": self.dropped,
         }
 
     def restore(self, snap: dict) -> None:
-        n = len(snap["user"])
+        """The context of `snapshot()`. One that had dropped pages recomputes its sink and then its window, each
+        step seeing what is kept before it (`advance` jumps the gap)."""
+        self.user, self.model = copy.deepcopy(snap["user"]), copy.deepcopy(snap["model"])
+        n = self.user_frames = snap["frames"]
         self._ensure(n + 1)
-        self.user[:n], self.model[:n] = snap["user"], snap["model"]
         if self.mode == "duplex" and n == 0:
             self.model[0] = self.cfg.silent_id
-        self.user_frames, self.turns, self.prompt_frames = n, snap["turns"], snap["prompt_frames"]
+        self.turns, self.prompt_frames = snap["turns"], snap["prompt_frames"]
+        self.sink, self.dropped = snap["sink"], snap["dropped"]
+        self.complete = 0
 
     # ---- frames --------------------------------------------------------------------------------------------------
 
     def _ensure(self, frames: int) -> None:
-        if frames > len(self.user):
-            size = max(frames, 2 * len(self.user))
-            for name in ("user", "model"):
-                old = getattr(self, name)
-                new = np.full((size, old.shape[1]), UNKNOWN, dtype=np.int64)
-                new[: len(old)] = old
-                setattr(self, name, new)
+        self.user.ensure(frames)
+        self.model.ensure(frames)
 
     def set_prompt(self, codes: np.ndarray) -> None:
         """A voice prompt `[K, P]` becomes model frames 0..P-1, the user silent meanwhile."""
@@ -119,6 +155,8 @@ class Session:
         self.model[:p] = codes.T
         self.user[:p] = self.cfg.silent_id
         self.user_frames = self.prompt_frames = p
+        if self.bound is not None:
+            self.sink = self.bound.sink_pages(p)
 
     def add_user_frames(self, codes: np.ndarray) -> None:
         """New user frames `[K, n]`. In turn mode while listening, the model stream is forced silent alongside."""
@@ -141,9 +179,9 @@ class Session:
         """Steps start..stop-1 as `[n, 2K]`, UNKNOWN where a code is not known (frames within the arrays)."""
         frames = np.arange(start, stop)[:, None] - self.delays[None, :]
         idx = np.arange(len(self.delays))[None, :]
-        safe = np.clip(frames, 0, len(self.user) - 1)
-        user = np.where(frames < 0, self.cfg.pad_id, self.user[safe, idx])
-        model = np.where(frames < 0, self.cfg.pad_id, self.model[safe, idx])
+        safe = np.maximum(frames, 0)
+        user = np.where(frames < 0, self.cfg.pad_id, self.user.gather(safe, idx))
+        model = np.where(frames < 0, self.cfg.pad_id, self.model.gather(safe, idx))
         return np.concatenate([user, model], axis=1)
 
     def _steps_in_arrays(self) -> int:
@@ -157,13 +195,59 @@ class Session:
         return tokens[: unknown[0]] if len(unknown) else tokens
 
     def known_key(self) -> np.ndarray:
-        """The prefix key of every step known so far (contiguous from 0): what a prefix-cache match looks up."""
+        """The prefix key of every step known so far (contiguous from 0): what a prefix-cache match looks up. Past
+        a gap in its pages, only its sink's steps: no cached prefix can be what it has after the gap."""
+        if self.dropped:
+            return self._tokens(0, self.sink * self.bound.page_size)
         return self._known_run(self._tokens(0, self._steps_in_arrays()))
 
     def ready_steps(self, limit: int) -> np.ndarray:
-        """Up to `limit` known steps from `computed` on, as `[n, 2K]` (n may be 0)."""
+        """Up to `limit` known steps from `computed` on, as `[n, 2K]` (n may be 0): steps of one chunk, which all
+        see the same pages (`ContextBound.chunk_stop`), and none past the sink when the pages after it have a gap."""
         stop = min(self.computed + limit, max(self.computed, self._steps_in_arrays()))
+        if self.bound is not None:
+            stop = min(stop, self.bound.chunk_stop(self.sink, self.computed))
+            if self.dropped and self.computed < self.sink * self.bound.page_size:
+                stop = min(stop, self.sink * self.bound.page_size)
         return self._known_run(self._tokens(self.computed, stop))
+
+    # ---- the bounded context (`s2s/context.py`) ---------------------------------------------------------------------
+
+    @property
+    def table_pages(self) -> int:
+        """Pages its table would have without the gap: the steps computed or reserved so far, in pages."""
+        return len(self.pages) + (self.dropped if len(self.pages) >= self.sink else 0)
+
+    def advance(self, steps: int) -> None:
+        """`steps` more steps are computed; past the sink of one with a gap (recomputing it), the next is after it."""
+        self.computed += steps
+        if self.dropped and self.computed == self.sink * self.bound.page_size:
+            self.computed = (self.sink + self.dropped) * self.bound.page_size
+            self.last_logits = None  # they predict a step in the gap
+
+    def visible(self) -> tuple[list[int], int, int]:
+        """What a chunk from `computed` attends to: the page table the forward sees (the sink's pages, then the
+        window's), the steps in it before the chunk, and how far the window's positions are from their place in it
+        (added for RoPE)."""
+        if self.bound is None:
+            return self.pages, self.computed, 0
+        ps = self.bound.page_size
+        hidden = self.bound.window_start(self.sink, self.computed // ps) - self.sink
+        if hidden <= 0:
+            return self.pages, self.computed, 0
+        if hidden < self.dropped:
+            raise AssertionError(f"{self.id}: step {self.computed} needs pages that left its table")
+        table = self.pages[: self.sink] + self.pages[self.sink + hidden - self.dropped :]
+        return table, self.computed - hidden * ps, hidden * ps
+
+    def can_rewind(self, frame: int) -> bool:
+        """Whether a rewind to `frame` can recompute step `frame - 1`: into the sink, or where the pages its window
+        needs are still in the table (turn mode keeps the last reply's)."""
+        if self.bound is None or not self.dropped:
+            return True
+        ps = self.bound.page_size
+        first_kept = self.sink + self.dropped
+        return frame <= self.sink * ps or frame - 1 >= (first_kept + self.bound.window_pages - 1) * ps
 
     def key(self, steps: int) -> np.ndarray:
         """The prefix key: step tokens 0..steps-1 (all known)."""
@@ -182,7 +266,9 @@ class Session:
         out = []
         for k, d in enumerate(self.delays):
             f = t - d
-            if 0 <= f < len(self.model) and self.model[f, k] == UNKNOWN and self._predicted(f):
+            if not 0 <= f < len(self.model) or self.model.forgotten(f):  # (forgotten frames were all known)
+                continue
+            if self.model[f, k] == UNKNOWN and self._predicted(f):
                 out.append((f, k))
         return out
 
@@ -207,16 +293,31 @@ class Session:
 
     def complete_model_frames(self) -> int:
         """Model frames whose every codebook is known, counted from frame 0 (contiguous)."""
-        known = (self.model != UNKNOWN).all(axis=1)
-        return int(np.argmin(known)) if not known.all() else len(known)
+        while self.complete < len(self.model) and (self.model[self.complete] != UNKNOWN).all():
+            self.complete += 1
+        return self.complete
 
     # ---- the turn lifecycle --------------------------------------------------------------------------------------
+
+    def note_input(self, seconds: float, pushed_at: float) -> None:
+        """`seconds` of input pushed at `pushed_at`. Input that comes over `INPUT_GAP_S` later than real time from
+        its start (the client muted, or paused its stream) moves its frames' deadlines on by as much: the server
+        cannot answer what it has not heard. Less is left to count: a loaded server reads its sockets late too."""
+        if self.input_started is None:
+            self.input_started = pushed_at
+        late = pushed_at - (self.input_started + self.input_s)
+        if late > INPUT_GAP_S:
+            self.input_started += late
+            if self.first_frame_at is not None:
+                self.first_frame_at += late
+        self.input_s += seconds
 
     def hear(self, codes: np.ndarray, now: float) -> None:
         """New user frames `[K, n]` from the encoder (or pushed as codes). In turn mode, speech after an answered
         turn opens the next turn."""
         if self.first_frame_at is None:
             self.first_frame_at = now
+        self.last_heard = now
         if (
             self.mode == "turn"
             and self.phase is Phase.LISTEN
@@ -315,18 +416,30 @@ class Session:
         turn = self.turns[-1]
         if turn.reply_start is None:
             raise ValueError("the last turn has no reply to regenerate")
+        if not self.can_rewind(turn.reply_start):
+            raise ValueError("the last reply has left the context window: it cannot be regenerated")
         cut = turn.reply_start
         turn.reply_start = turn.reply_end = None
         turn.times = {"regenerate": now}
         self.end_of_turn_at = now
         return cut
 
+    def restart(self) -> int:
+        """Back to the voice prompt, turns numbered from 0 again; returns the frame to rewind to. Audio of the old
+        context still queued is dropped; its stream's deadlines start again with its next frame."""
+        for turn in self.turns:
+            self.events.drop_turn_audio(turn.id)
+        self.turns, self.phase, self.end_of_turn_at, self.pending = [], Phase.LISTEN, None, []
+        self.first_frame_at, self.emitted = None, 0
+        return self.prompt_frames
+
     def rewind(self, frame: int) -> None:
         """Forget both streams from `frame` on; steps from there lose their K/V (`KVManager.trim` drops them)."""
         self.idle_frames = -1  # it is no longer what was preempted (`dormant`)
-        self.user[frame:] = UNKNOWN
-        self.model[frame:] = UNKNOWN
+        self.user.truncate(frame)
+        self.model.truncate(frame)
         self.user_frames = frame
+        self.complete = min(self.complete, frame)
         if self.computed > frame:
             # the stored logits belong to a forgotten step: recompute step frame - 1 to predict frame again
             self.computed = max(0, frame - 1)

@@ -4,7 +4,8 @@ Each websocket path is a protocol on the connection core (`server/connection.py`
 (`server/moshi.py`), one conversation in the engine per connection. Bad input gets an error message or is dropped,
 never a crash and never an effect on another connection; a connection that goes away at any moment closes its
 conversation, which frees its pages. Who may connect is decided in one place, `refusal`, for every protocol and
-for the servers built on this one (the cascade).
+for the servers built on this one (the cascade); how many conversations one client may hold at once, by one
+`PerClient` for the whole server.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import urllib.parse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from pathlib import Path
 
@@ -24,8 +25,9 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from s2s import Engine
-from server.connection import Endpoint, Limits, serve_connection
+from server.connection import Endpoint, Limits, PerClient, serve_connection
 from server.moshi import MoshiEndpoint
+from server.turn_gate import TurnGate
 from server.vad import VadConfig
 
 
@@ -36,12 +38,15 @@ class ServerOptions:
     token: str | None = None  # required as ?token= on every websocket; None: no token
     allowed_origins: list[str] = field(default_factory=list)  # browser origins besides the server's own
     max_message_bytes: int = 1 << 20
-    limits: Limits = field(default_factory=Limits)  # back-pressure on each connection
+    limits: Limits = field(default_factory=Limits)  # back-pressure on each connection, what one client may hold
     vad: VadConfig = field(default_factory=VadConfig)  # turn mode endpointing
+    handshake_timeout_s: float = 10.0  # a connection whose HTTP request and upgrade take longer is cut
 
     def __post_init__(self) -> None:
         if self.token == "":  # would otherwise read as "no token": authentication off, silently
             raise ValueError("token must not be empty: leave it out to serve without one")
+        if not self.handshake_timeout_s > 0:
+            raise ValueError(f"handshake timeout must be over 0 s, got {self.handshake_timeout_s}")
 
 
 def refusal(request: Request, options: ServerOptions) -> tuple[HTTPStatus, str] | None:
@@ -95,15 +100,25 @@ class _EngineCollector:
         ticks = list(stats.tick_seconds)[-1000:]
         if ticks:
             yield GaugeMetricFamily("s2s_tick_seconds_p50", "tick time p50, last 1000", value=float(np.median(ticks)))
+            p95 = float(np.percentile(ticks, 95))
+            yield GaugeMetricFamily("s2s_tick_seconds_p95", "tick time p95, last 1000", value=p95)
+        yield CounterMetricFamily("s2s_kv_checks", "page integrity checks (run when idle)", value=stats.kv_checks)
+        yield CounterMetricFamily(
+            "s2s_kv_check_failures", "page integrity checks that failed", value=stats.kv_check_failures
+        )
 
 
 class ChatServer:
     def __init__(self, engine: Engine, options: ServerOptions | None = None):
         self.engine = engine
         self.options = options or ServerOptions()
-        self.endpoints: dict[str, Endpoint] = {"/api/chat": MoshiEndpoint(engine, self.options.vad)}
+        self.gate = TurnGate(engine, self.options.vad)  # every connection's VAD turn ends pass through it
+        vad = replace(self.options.vad, gate=self.gate)
+        self.endpoints: dict[str, Endpoint] = {"/api/chat": MoshiEndpoint(engine, vad)}
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
+        self.registry.register(self.gate)
+        self.clients = PerClient(self.options.limits.max_conversations_per_client)
         self._server: Server | None = None
 
     async def start(self) -> int:
@@ -118,6 +133,7 @@ class ChatServer:
             self.options.port,
             process_request=self._http,
             max_size=self.options.max_message_bytes,
+            open_timeout=self.options.handshake_timeout_s,  # a request that stalls half-sent holds a socket
             ping_interval=20,
             server_header="s2s",  # not websockets' default, which tells Python's version and its own
         )
@@ -146,4 +162,4 @@ class ChatServer:
 
     async def _connect(self, ws: ServerConnection) -> None:
         endpoint = self.endpoints[urllib.parse.urlsplit(ws.request.path).path]
-        await serve_connection(ws, endpoint, self.options.limits)
+        await serve_connection(ws, endpoint, self.options.limits, self.clients)

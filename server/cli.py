@@ -97,6 +97,7 @@ def engine_of(args: argparse.Namespace) -> tuple[Engine, EncodecTokenizer]:
 
     from codec import EncodecTokenizer
     from s2s import Engine, EngineConfig, ModelConfig, S2SModel
+    from s2s.config import FRAME_S
     from server.prompts import load_prompts
 
     if args.threads:
@@ -114,6 +115,7 @@ def engine_of(args: argparse.Namespace) -> tuple[Engine, EncodecTokenizer]:
         frames_per_tick=args.frames_per_tick,
         num_pages=args.kv_pages,
         max_reply_frames=args.max_reply_frames,
+        max_context=round(args.max_context_s / FRAME_S),
         admission_headroom=args.admission_headroom,
         jitter_buffer_s=args.jitter_buffer_ms / 1000 if args.jitter_buffer_ms else None,
         cuda_graphs=not args.enforce_eager,
@@ -138,6 +140,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--jitter-buffer-ms", type=float, default=0, help="duplex deadline slack (default: 80 ms + a tick)")
     p.add_argument("--max-reply-frames", type=int, default=750, help="turn mode: longest reply (75 frames a second)")
+    p.add_argument(
+        "--max-context-s",
+        type=float,
+        default=30.0,
+        help="seconds of recent conversation a step attends to, besides its voice prompt; older pages go back to "
+        "the pool, so a conversation runs for as long as its user talks",
+    )
     p.add_argument("--frames-per-tick", type=int, default=4, help="duplex frames per engine tick (1 = 13.3 ms)")
     p.add_argument("--prompts", type=Path, default=None, help="folder of voice prompts (audio files)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice, one per core)")
@@ -168,16 +177,73 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="a browser origin allowed besides the server's own, e.g. https://app.example (repeatable)",
     )
     p.add_argument("--vad-silence", type=float, default=0.5, help="turn mode: seconds of silence that end a turn")
+    p.add_argument(
+        "--vad-min-speech",
+        type=float,
+        default=0.25,
+        help="turn mode: seconds of confident speech a turn needs before it costs a reply (0: any)",
+    )
+    p.add_argument(
+        "--vad-resume",
+        type=float,
+        default=0.5,
+        help="turn mode: speech within this many seconds of an end of turn continues the turn; its reply is "
+        "cancelled (0: never)",
+    )
+    p.add_argument(
+        "--vad-confident",
+        type=float,
+        default=0.8,
+        help="turn mode: while the engine is saturated, only turns this confident (0-1) get a reply (0: all)",
+    )
+    p.add_argument(
+        "--vad-max-replies",
+        type=int,
+        default=0,
+        help="turn mode: the engine is saturated with this many replies in flight (0: when its ticks are 75%% full)",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=60.0,
+        help="close a connection whose client sends no audio this many seconds (a reply playing to it is not idle)",
+    )
+    p.add_argument(
+        "--max-conversations-per-client",
+        type=int,
+        default=8,
+        help="conversations open at once from one IP address; more are refused (0: no limit)",
+    )
+    p.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=10.0,
+        help="cut a connection whose HTTP request and websocket upgrade take longer (seconds)",
+    )
 
 
 def server_options(args: argparse.Namespace) -> ServerOptions:
     """`add_server_args`' server options; a bad one exits (before an engine is built: call this first)."""
     from server.app import ServerOptions
+    from server.connection import Limits
     from server.vad import VadConfig
 
-    vad = VadConfig(silence_s=args.vad_silence)
+    vad = VadConfig(
+        silence_s=args.vad_silence,
+        min_speech_s=args.vad_min_speech,
+        resume_s=args.vad_resume,
+        confident=args.vad_confident,
+        max_replies=args.vad_max_replies,
+    )
     try:
-        return ServerOptions(args.host, args.port, args.token, args.allowed_origin or [], vad=vad)
+        vad.check()
+        limits = Limits(
+            idle_timeout_s=args.idle_timeout, max_conversations_per_client=args.max_conversations_per_client
+        )
+        origins, handshake = args.allowed_origin or [], args.handshake_timeout
+        return ServerOptions(
+            args.host, args.port, args.token, origins, limits=limits, vad=vad, handshake_timeout_s=handshake
+        )
     except ValueError as e:
         raise SystemExit(f"bad server options: {e}") from None
 

@@ -5,14 +5,16 @@
 1. `endpoint.accept(query)` reads the request: the connection's `Wire` (the protocol's framing) and how to open its
    `Session`. A bad request is told (`endpoint.error`) and closed with 1008.
 2. `wire.handshake()` goes out (Moshi's handshake; a JSON-event protocol has none), then the session opens. A
-   refusal (the engine's admission, the cascade's speech-to-text) is told "refused: REASON" and closed with 1013
-   and the reason.
+   refusal (the client's limit of open conversations, `PerClient`; the engine's admission; the cascade's
+   speech-to-text) is told "refused: REASON" and closed with 1013 and the reason.
 3. `wire.opened(session.info)` goes out; the receive loop reads messages until the client goes: the wire parses
    each into `Audio` or `EndTurn` (a bad one is told and dropped). Audio goes on in slices of 80 ms, each paced in
    real time: past the burst, a long message is fed over as long as it lasts, not in one tick, and no more of it
    once the client is gone. Each slice runs through the session's VAD, if it has one, where speech over a reply is
    a barge-in with what the client has heard (`Playback`) and silence after speech ends the turn. Messages and
    their bytes are paced too, whether or not they parse.
+   A client that sends no audio for `Limits.idle_timeout_s` (counted from open; a reply still playing to it is
+   not idle) is told "idle: ..." and closed with 1008.
 4. However the socket ended, the session closes.
 
 A session sends from tasks of its own through `Connection`: `send_audio` (which `Playback` counts), `send_event`,
@@ -25,7 +27,8 @@ import asyncio
 import contextlib
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,6 +55,13 @@ class EndTurn:
     """The user says they are done speaking (turn mode)."""
 
 
+@dataclass
+class Stream:
+    """The client starts, pauses or restarts the conversation's stream (Moshi's controls 0, 2 and 3)."""
+
+    action: str  # "start", "pause" or "restart"
+
+
 class Wire(Protocol):
     """One connection's framing: Moshi's kind bytes (`server/moshi.py`), or JSON events."""
 
@@ -59,7 +69,7 @@ class Wire(Protocol):
 
     def opened(self, info: dict) -> Message: ...
 
-    def parse(self, message: Message) -> Audio | EndTurn | None:
+    def parse(self, message: Message) -> Audio | EndTurn | Stream | None:
         """What a client message asks for; None for one to ignore. Raises `ProtocolError` (told to the client)."""
 
     def audio(self, pcm: np.ndarray) -> list[Message]: ...
@@ -81,6 +91,9 @@ class Session(Protocol):
 
     async def end_turn(self) -> None: ...
 
+    async def stream(self, action: str) -> None:
+        """`Stream`'s action; raises `ProtocolError` where it is not supported."""
+
     async def close(self) -> None: ...
 
 
@@ -98,10 +111,18 @@ class Endpoint(Protocol):
 
 @dataclass
 class Limits:
-    """Back-pressure on one connection."""
+    """Back-pressure on one connection, and what one client may hold."""
 
     realtime_burst_s: float = 2.0  # a client may run this far ahead of real time (audio and bytes) before throttling
     max_messages_per_s: float = 100.0  # beyond this (after a burst of as many), reading pauses: clients send ~12/s
+    idle_timeout_s: float = 60.0  # a connection whose client sends no audio this long is closed (a reply plays on)
+    max_conversations_per_client: int = 8  # open at once from one IP address; 0: no limit
+
+    def __post_init__(self) -> None:
+        if not self.idle_timeout_s > 0:
+            raise ValueError(f"idle timeout must be over 0 s, got {self.idle_timeout_s}")
+        if (n := self.max_conversations_per_client) < 0:
+            raise ValueError(f"conversations per client must be 0 (no limit) or more, got {n}")
 
 
 class Playback:
@@ -130,6 +151,16 @@ class Connection:
 
     def __init__(self, ws: ServerConnection, wire: Wire):
         self.ws, self.wire, self.playback = ws, wire, Playback()
+        self.heard_until = time.monotonic()  # when the audio the client sent will have played (from open: none yet)
+
+    def heard(self, pcm: np.ndarray) -> None:
+        """The client sent audio: it is not idle while that plays (pacing keeps it within a burst of real time)."""
+        if len(pcm):
+            self.heard_until = max(self.heard_until, time.monotonic()) + len(pcm) / SAMPLE_RATE
+
+    def idle_since(self) -> float:
+        """When the client's audio, or the reply sent to it, last played: a conversation answering is not idle."""
+        return max(self.heard_until, self.playback.until)
 
     async def send_audio(self, pcm: np.ndarray, turn: int) -> bool:
         """Reply audio of `turn`; True once any of it went out (an Opus stream holds its first samples back)."""
@@ -148,6 +179,37 @@ class Connection:
 
     async def close(self, code: int, reason: str) -> None:
         await self.ws.close(code, reason.encode()[:123].decode(errors="ignore"))  # a close frame holds 123 bytes
+
+    async def drop(self, reason: str) -> None:
+        """Tell the client why, and close with 1008. A client that reads nothing takes neither the error nor the
+        close frame (each waits for room on its socket): after the close timeout, its connection is cut."""
+        with contextlib.suppress(TimeoutError, ConnectionClosed):
+            async with asyncio.timeout(self.ws.close_timeout):
+                await self.send_error(reason)
+                await self.close(1008, reason)
+        self.ws.transport.abort()
+
+
+class PerClient:
+    """Open conversations by client (the peer's IP address), at most `limit` each (0: no limit): one machine's
+    connections that do nothing cannot take every slot. Behind a proxy, every client has the proxy's address."""
+
+    def __init__(self, limit: int):
+        self.limit, self.open = limit, Counter()
+
+    @contextlib.contextmanager
+    def conversation(self, ws: ServerConnection) -> Iterator[None]:
+        """Hold one of the client's conversations; `Refused` past the limit."""
+        client = (ws.remote_address or ("",))[0]  # None if the socket went before asyncio asked for its peer
+        if self.limit and self.open[client] >= self.limit:
+            raise Refused(f"this client has {self.limit} conversations open, the most one client may")
+        self.open[client] += 1
+        try:
+            yield
+        finally:
+            self.open[client] -= 1
+            if not self.open[client]:
+                del self.open[client]
 
 
 class Pace:
@@ -169,7 +231,7 @@ class Pace:
                 await asyncio.wait_for(conn.ws.wait_closed(), ahead)
 
 
-async def serve_connection(ws: ServerConnection, endpoint: Endpoint, limits: Limits) -> None:
+async def serve_connection(ws: ServerConnection, endpoint: Endpoint, limits: Limits, clients: PerClient) -> None:
     query = {k: v[0] for k, v in urllib.parse.parse_qs(urllib.parse.urlsplit(ws.request.path).query).items()}
     try:
         wire, open_session = endpoint.accept(query)
@@ -180,19 +242,31 @@ async def serve_connection(ws: ServerConnection, endpoint: Endpoint, limits: Lim
     conn = Connection(ws, wire)
     if (hello := wire.handshake()) is not None:
         await ws.send(hello)
-    try:
-        session = await open_session(conn)
-    except Refused as e:
-        await conn.send_error(f"refused: {e}")
-        await conn.close(1013, str(e))  # try again later, and why
-        return
-    try:
-        await ws.send(wire.opened(session.info))
-        await _receive(conn, session, limits)
-    except ConnectionClosed:
-        pass
-    finally:  # whatever happened, the session goes (a conversation's pages with it)
-        await session.close()
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(clients.conversation(ws))
+            session = await open_session(conn)
+        except Refused as e:
+            await conn.send_error(f"refused: {e}")
+            await conn.close(1013, str(e))  # try again later, and why
+            return
+        idle = asyncio.create_task(_close_when_idle(conn, limits.idle_timeout_s))
+        try:
+            await ws.send(wire.opened(session.info))
+            await _receive(conn, session, limits)
+        except ConnectionClosed:
+            pass
+        finally:  # whatever happened, the session goes (a conversation's pages with it)
+            idle.cancel()
+            await session.close()
+
+
+async def _close_when_idle(conn: Connection, timeout_s: float) -> None:
+    """Once the client has sent no audio for `timeout_s` (and no reply is playing to it), tell it and close: a
+    conversation nobody uses holds a slot another client could have."""
+    while (left := conn.idle_since() + timeout_s - time.monotonic()) > 0:
+        await asyncio.sleep(left)
+    await conn.drop(f"idle: no audio for {timeout_s:g} s")
 
 
 async def _receive(conn: Connection, session: Session, limits: Limits) -> None:
@@ -214,8 +288,15 @@ async def _receive(conn: Connection, session: Session, limits: Limits) -> None:
         except ProtocolError as e:
             await conn.send_error(str(e))
             item = None
+        if isinstance(item, Audio):  # only audio keeps a connection from being idle
+            conn.heard(item.pcm)
         if isinstance(item, EndTurn):
             await session.end_turn()
+        elif isinstance(item, Stream):
+            try:
+                await session.stream(item.action)
+            except ProtocolError as e:
+                await conn.send_error(str(e))
         elif isinstance(item, Audio):
             for a in range(0, len(item.pcm), BLOCK):
                 pcm = item.pcm[a : a + BLOCK]
@@ -227,8 +308,10 @@ async def _receive(conn: Connection, session: Session, limits: Limits) -> None:
                 heard = await asyncio.to_thread(vad.push, pcm) if vad is not None else []
                 if "speech_start" in heard:  # a barge-in if a reply is playing (a no-op otherwise), before this audio
                     await session.barge_in(conn.playback.played_frames())
+                elif "take_back" in heard:  # the user only paused: the reply to that turn is cancelled unheard
+                    await session.barge_in(0)
                 session.audio(pcm)
-                if "end_of_turn" in heard:
+                if "end_of_turn" in heard:  # a turn worth a reply now (`Endpointer`, the server's `TurnGate`)
                     await session.end_turn()
         # Taken last, so the slices' real-time pace comes first: audio then finds its bytes within bounds.
         await byte_pace.take(len(message), conn)

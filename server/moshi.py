@@ -10,10 +10,12 @@ import sphn
 from codec.tokenizer import SAMPLE_RATE
 from s2s import Engine, SamplingParams
 from server import protocol
-from server.connection import Audio, Connection, EndTurn, Opener
+from server.connection import Audio, Connection, EndTurn, Opener, Stream
 from server.protocol import BLOCK, Control, Kind, ProtocolError, StreamError
 from server.session import EngineSession
 from server.vad import VadConfig
+
+STREAM_CONTROLS = {Control.START: "start", Control.PAUSE: "pause", Control.RESTART: "restart"}
 
 
 class MoshiWire:
@@ -38,12 +40,14 @@ class MoshiWire:
     def opened(self, info: dict) -> bytes:
         return protocol.metadata({**info, "codec": self.codec})
 
-    def parse(self, message: bytes | str) -> Audio | EndTurn | None:
+    def parse(self, message: bytes | str) -> Audio | EndTurn | Stream | None:
         kind, payload = protocol.parse(message)
         if kind is Kind.AUDIO:
             return Audio(self._decode(payload))
         if kind is Kind.CONTROL and payload[0] == Control.END_TURN:
             return EndTurn()
+        if kind is Kind.CONTROL and payload[0] in STREAM_CONTROLS:
+            return Stream(STREAM_CONTROLS[payload[0]])
         return None  # other kinds (text, ping, unknown) are discarded
 
     def audio(self, pcm: np.ndarray) -> list[bytes]:

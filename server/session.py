@@ -21,17 +21,7 @@ if TYPE_CHECKING:
 
 
 SLOW = "not reading fast enough: closed"
-_dropping: set[asyncio.Task] = set()  # `_drop`s under way (the loop keeps only weak references to tasks)
-
-
-async def _drop(conn: Connection) -> None:
-    """Tell a client that fell behind, and close it. A client that reads nothing takes neither the error nor the
-    close frame (each waits for room on its socket): after the close timeout, its connection is cut."""
-    with contextlib.suppress(TimeoutError, ConnectionClosed):
-        async with asyncio.timeout(conn.ws.close_timeout):
-            await conn.send_error(SLOW)
-            await conn.close(1008, SLOW)
-    conn.ws.transport.abort()
+_dropping: set[asyncio.Task] = set()  # `Connection.drop`s under way (the loop keeps only weak references to tasks)
 
 
 async def events(q: EventQueue, conn: Connection) -> AsyncIterator[AudioEvent | CodesEvent | MetaEvent]:
@@ -47,7 +37,7 @@ async def events(q: EventQueue, conn: Connection) -> AsyncIterator[AudioEvent | 
             loop.call_soon_threadsafe(fn)
 
     def drop() -> None:
-        task = asyncio.create_task(_drop(conn))
+        task = asyncio.create_task(conn.drop(SLOW))
         _dropping.add(task)
         task.add_done_callback(_dropping.discard)
 
@@ -97,6 +87,9 @@ class EngineSession:
     async def end_turn(self) -> None:
         if self.mode == "turn":  # a duplex stream has no turns to end
             self.engine.end_turn(self.cid)
+
+    async def stream(self, action: str) -> None:
+        {"start": self.engine.unpause, "pause": self.engine.pause, "restart": self.engine.restart}[action](self.cid)
 
     async def close(self) -> None:
         self.engine.close(self.cid)

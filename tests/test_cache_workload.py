@@ -10,6 +10,7 @@ from kv_values import step_values
 
 from cache import MODES, OutOfPages, PagePool
 from s2s.config import ModelConfig
+from s2s.context import ContextBound
 from s2s.kv_manager import KVManager
 from s2s.metrics import EngineStats
 from s2s.sampling import SamplingParams
@@ -18,6 +19,7 @@ from s2s.session import Session
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 4, 4
 MAX_STEPS = 160
+BOUND = ContextBound(PAGE, window_pages=MAX_STEPS // PAGE, rewind_pages=0)  # no conversation here outgrows it
 CFG = ModelConfig.preset("tiny", num_codebooks=2)
 
 
@@ -69,12 +71,12 @@ def close(kv: KVManager, s: Session) -> None:
 def run(mode: str, usable: int):
     """Serve the workload with up to 4 sessions open at once; returns the cache's stats."""
     pool = PagePool(LAYERS, HEADS, DIM, page_size=PAGE, num_pages=usable + 1)
-    kv = KVManager(pool, mode, MAX_STEPS, EngineStats())
+    kv = KVManager(pool, mode, BOUND, EngineStats())
     open_sessions: list[Session] = []
     for i, (prompt, turns) in enumerate(workload()):
         if len(open_sessions) == 4:
             close(kv, open_sessions.pop(0))
-        s = Session(f"s{i}", "turn", CFG, SamplingParams(seed=0), row=0, now=0.0)
+        s = Session(f"s{i}", "turn", CFG, SamplingParams(seed=0), row=0, now=0.0, bound=BOUND)
         s.set_prompt(prompt)
         while True:
             try:

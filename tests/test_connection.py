@@ -16,7 +16,7 @@ from websockets.exceptions import ConnectionClosed
 from s2s import MetaEvent, Refused
 from s2s.engine import EventQueue
 from server import protocol
-from server.connection import Connection, Limits, Playback, serve_connection
+from server.connection import Connection, Limits, PerClient, Playback, serve_connection
 from server.moshi import MoshiWire
 from server.protocol import Control, Kind, ProtocolError
 from server.session import events
@@ -91,7 +91,7 @@ class StandIn:
 
 
 async def with_core(endpoint: StandIn, client) -> None:
-    async with serve(lambda ws: serve_connection(ws, endpoint, Limits()), "127.0.0.1", 0) as server:
+    async with serve(lambda ws: serve_connection(ws, endpoint, Limits(), PerClient(0)), "127.0.0.1", 0) as server:
         await client(f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}")
 
 

@@ -107,22 +107,23 @@ def test_bad_rounds_are_refused(model) -> None:
 
 
 def counted(run, sizes: list[int]):
-    def wrapped(tokens, cached_lens, pages):
+    def wrapped(tokens, cached_lens, pages, shifts):
         sizes.append(len(cached_lens))
-        return run(tokens, cached_lens, pages)
+        return run(tokens, cached_lens, pages, shifts)
 
     return wrapped
 
 
 def test_an_engine_on_graphs_streams_what_the_eager_engine_streams() -> None:
-    """Three duplex conversations (bucket 4: one padded row) fed the same codes, greedy, with and without graphs."""
+    """Three duplex conversations (bucket 4: one padded row) fed the same codes, greedy, with and without graphs,
+    for five windows of their bounded context: the graphs take every round, the window sliding included."""
     model = S2SModel.from_seed(ModelConfig.preset("tiny", num_codebooks=1, codebook_size=256), seed=0, device=DEVICE)
     rng = np.random.default_rng(0)
-    inputs = [rng.integers(0, 256, (1, 40)) for _ in range(3)]
+    inputs = [rng.integers(0, 256, (1, 240)) for _ in range(3)]
     streams, rounds = [], []
     for graphs in (False, True):
         cfg = EngineConfig(
-            max_context=512,
+            max_context=48,
             num_pages=200,
             calibration_ticks=0,
             max_conversations=4,
@@ -135,19 +136,20 @@ def test_an_engine_on_graphs_streams_what_the_eager_engine_streams() -> None:
             graphs.run = counted(graphs.run, rounds)
             engine.runner.graphs = graphs
         cids = [engine.open("duplex", sampling=SamplingParams(temperature=0)) for _ in inputs]
-        for f in range(0, 40, 4):
+        for f in range(0, 240, 4):
             for cid, codes in zip(cids, inputs, strict=True):
                 engine.push_codes(cid, codes[:, f : f + 4])
             engine.step()
+        assert all(s.dropped >= 10 for s in engine.sessions.values())  # past the window: pages left the table
         out = []
         for cid in cids:
             q = engine.event_queue(cid)
             events = [q.get() for _ in range(q.qsize())]
             out.append(np.concatenate([e.codes for e in events if isinstance(e, CodesEvent)], axis=1))
         streams.append(out)
-    assert len(rounds) >= 30 and 3 in rounds  # the graphed engine ran its rounds through them, padded to 4
+    assert len(rounds) >= 230 and set(rounds) == {3}  # every round of the graphed engine, padded to 4
     for eager, graphed in zip(*streams, strict=True):
-        assert eager.shape[1] >= 30  # they spoke
+        assert eager.shape[1] >= 230  # they spoke
         np.testing.assert_array_equal(eager, graphed)
 
 

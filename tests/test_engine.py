@@ -202,15 +202,35 @@ def test_late_duplex_frames_count_as_misses_per_conversation(model, tok) -> None
     engine = Engine(model, tok, EngineConfig(num_pages=400, calibration_ticks=0), clock=clock)
     slow_machine(engine, clock, step_s=0.02)
     live = [engine.open("duplex", sampling=GREEDY, admit=False) for _ in range(2)]
-    for tick in range(60):
+    pushed = 0
+    for tick in range(60):  # the users speak in real time, however slow the machine
+        due = int(clock.now / FRAME_S) + 1
         for cid in live:
-            engine.push_audio(cid, speech(FRAME_S, seed=tick)[:320])
+            engine.push_audio(cid, speech(FRAME_S * (due - pushed), seed=tick)[: 320 * (due - pushed)])
+        pushed = due
         start = clock.now
         engine.step()
         clock.now = max(clock.now, start + engine.cfg.tick_s)
     per_session = [c["deadline_misses"] for c in engine.snapshot().sessions]
     assert len(per_session) == 2 and all(m > 0 for m in per_session)
     assert sum(per_session) == engine.stats.deadline_misses
+
+
+def test_a_client_that_mutes_for_seconds_is_not_counted_late_when_it_goes_on(model, tok) -> None:
+    """Its frames are due from when they came: a 3 s gap in its input moves their deadlines on (a fast machine: no
+    miss either side of the gap)."""
+    clock = SimClock()
+    engine = Engine(model, tok, EngineConfig(num_pages=400, calibration_ticks=0), clock=clock)
+    slow_machine(engine, clock, step_s=0.001)
+    cid = engine.open("duplex", sampling=GREEDY, admit=False)
+    for tick in range(330):
+        if not 30 <= tick < 30 + round(3 / FRAME_S):  # muted for 3 s after 30 frames
+            engine.push_audio(cid, speech(FRAME_S, seed=tick)[:320])
+        start = clock.now
+        engine.step()
+        clock.now = max(clock.now, start + engine.cfg.tick_s)
+    s = engine.sessions[cid]
+    assert s.emitted >= 100 and engine.stats.deadline_misses == 0
 
 
 def test_admission_refuses_and_admitted_duplex_keep_deadlines(model, tok) -> None:

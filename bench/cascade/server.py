@@ -172,6 +172,9 @@ class CascadeSession:
         if self.reply is None or self.reply.done():
             self.reply = asyncio.create_task(self._reply_or_error(endpoint))
 
+    async def stream(self, action: str) -> None:
+        raise ProtocolError(f"the cascade cannot {action} its stream")
+
     async def close(self) -> None:
         if self.reply is not None:
             self.reply.cancel()

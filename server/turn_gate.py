@@ -1,0 +1,74 @@
+"""TurnGate: one per server, shared by its connections; whether a turn the endpointer ended costs a reply now.
+
+Each connection's false turns are rare, but a server holds hundreds: their replies in flight add up and delay every
+real turn's first audio. So when the engine is saturated (its recent ticks fill `busy_share` of their frame budget,
+or `max_replies` replies are in flight), only confident turns (`VadConfig.confident`) are answered; the others are
+dropped, their audio kept as context, and counted. Both signals come from the engine's `snapshot()` (a tick old),
+plus the turns passed since it. A client's own end-of-turn message is not gated: the user said they were done.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from itertools import islice
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily
+
+if TYPE_CHECKING:
+    from s2s import Engine, EngineSnapshot
+    from server.vad import TurnScore, VadConfig
+
+RECENT_TICKS = 16  # the ticks whose mean time says how busy the engine is (about 0.85 s at 4 frames a tick)
+REASONS = ("short", "unsure", "saturated")  # short, unsure: the endpointer's (`TurnScore.problem`)
+
+
+class TurnGate:
+    def __init__(self, engine: Engine, cfg: VadConfig):
+        self.engine, self.cfg = engine, cfg
+        self.passed, self.taken_back, self.dropped = 0, 0, Counter()
+        self._lock = threading.Lock()  # endpointers run in worker threads
+        self._ticks, self._since = -1, 0  # the last snapshot's tick count, and turns passed since that snapshot
+
+    def admit(self, turn: TurnScore) -> bool:
+        """Whether `turn`'s end goes to the engine; a dropped one is counted."""
+        with self._lock:
+            snapshot = self.engine.snapshot()
+            if snapshot.stats.ticks != self._ticks:
+                self._ticks, self._since = snapshot.stats.ticks, 0
+            if turn.confidence < self.cfg.confident and self.saturated(snapshot):
+                self.dropped["saturated"] += 1
+                return False
+            self.passed += 1
+            self._since += 1
+            return True
+
+    def saturated(self, snapshot: EngineSnapshot) -> bool:
+        replies = self._since + sum(s["phase"] == "reply" for s in snapshot.sessions)
+        if self.cfg.max_replies and replies >= self.cfg.max_replies:
+            return True
+        recent = list(islice(reversed(snapshot.stats.tick_seconds), RECENT_TICKS))
+        return bool(recent) and sum(recent) / len(recent) >= self.cfg.busy_share * self.engine.cfg.tick_s
+
+    def drop(self, reason: str) -> None:
+        """The endpointer ended a stretch that is no turn (`TurnScore.problem`)."""
+        with self._lock:
+            self.dropped[reason] += 1
+
+    def took_back(self) -> None:
+        """Speech resumed right after a turn's end: its reply is cancelled unheard."""
+        with self._lock:
+            self.taken_back += 1
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """Prometheus: `s2s_turns_passed_total`, `s2s_turns_dropped_total{reason}`, `s2s_turns_taken_back_total`."""
+        yield CounterMetricFamily("s2s_turns_passed", "turn ends the VAD sent to the engine", value=self.passed)
+        dropped = CounterMetricFamily(
+            "s2s_turns_dropped", "turn ends the VAD did not send: short, unsure, or saturated", labels=["reason"]
+        )
+        for reason in REASONS:
+            dropped.add_metric([reason], self.dropped[reason])
+        yield dropped
+        yield CounterMetricFamily("s2s_turns_taken_back", "replies cancelled: speech resumed", value=self.taken_back)
