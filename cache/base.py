@@ -181,6 +181,12 @@ class PrefixCache(ABC):
         (`MatchResult.partial`, a rewind into a cached page); dropped with `release`."""
         self.pool.incref(pages)
 
+    def forget_past(self, handle: Handle, keep: Handle) -> None:
+        """Uncache what `handle` holds past `keep` (a prefix of it), as far as nobody locks it or shares it: a
+        conversation whose head has left its window keeps no use for it. Modes that can evict any page on its own
+        (exact: a hash chain's pages are reclaimed in LRU order, whatever their place) leave it to eviction."""
+        return None
+
     def pages_on_open(self, max_steps: int) -> int:
         """Pages a conversation reserves when it opens; modes that allocate on demand reserve none."""
         return 0

@@ -150,6 +150,25 @@ class RadixCache(PrefixCache):
                 self._push(parent)
         return freed
 
+    def forget_past(self, handle: Handle, keep: Handle) -> None:
+        """Eviction takes leaves only: a path whose head nobody uses while a caller holds its tail would stay. Its
+        nodes below `keep`'s go now, deepest first, up to one someone locks or another path branches from."""
+        node, removed = handle.target, False
+        while node is not keep.target and node.parent is not None and not node.lock_ref and not node.children:
+            parent = node.parent
+            self._remove_child(parent, node, node.tokens[0])
+            node.parent = None
+            for p in node.pages:
+                del self._node_of[p]
+            self.pool.decref(node.pages)
+            removed |= node.in_heap
+            node = parent
+        if removed:  # once a conversation: the heap holds no removed node (`check`)
+            self._heap = [entry for entry in self._heap if entry[2].parent is not None]
+            heapq.heapify(self._heap)
+        if node.parent is not None and not node.children and not node.lock_ref:
+            self._push(node)
+
     def release(self, pages: list[int]) -> None:
         super().release(pages)
         for p in pages:

@@ -16,7 +16,8 @@ from codec import EncodecTokenizer
 from s2s.events import AudioEvent, CodesEvent
 from s2s.metrics import EngineStats
 from s2s.scheduler import first_audio_due, frame_deadline
-from s2s.session import Phase, Session
+from s2s.session import Session
+from s2s.turns import Phase
 
 
 class AudioIO:

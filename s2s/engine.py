@@ -39,7 +39,8 @@ from s2s.model_runner import ModelRunner
 from s2s.registry import Refused, Registry
 from s2s.sampling import SamplingParams
 from s2s.scheduler import Admission, Scheduler, Work
-from s2s.session import Phase, Session, Turn
+from s2s.session import Session
+from s2s.turns import Phase, Turn
 
 log = logging.getLogger("s2s.engine")
 
@@ -247,7 +248,7 @@ class Engine:
         self._apply_commands()
         self._timed("encode", self.audio.encode, self.sessions.values())
         for s in self.sessions.values():
-            if s.start_reply(self.clock()):
+            if not s.paused and s.start_reply(self.clock()):
                 self._sample([s])  # the user's last step is already computed: sample at once
         self.kv.rematch(self.sessions.values())
 

@@ -25,7 +25,8 @@ from cache import MatchResult, OutOfPages, PagePool, make_cache
 from s2s.context import ContextBound
 from s2s.metrics import EngineStats
 from s2s.scheduler import Work
-from s2s.session import Phase, Session
+from s2s.session import Session
+from s2s.turns import Phase
 
 
 class KVManager:
@@ -130,10 +131,11 @@ class KVManager:
         into the sink closes the gap."""
         if not s.can_rewind(s.computed + 1):
             raise AssertionError(f"{s.id}: rewound to step {s.computed}, whose window has left its table")
-        keep = math.ceil(s.computed / self.page_size)  # in the table, past the gap
-        if keep <= s.sink:
-            s.dropped = 0
-        keep -= s.dropped
+        if s.dropped and s.user_frames <= s.sink * self.page_size:
+            s.dropped = 0  # the rewind reached into the sink (its frames are one piece again: `Frames.truncate`)
+        keep = math.ceil(s.computed / self.page_size)
+        if keep > s.sink:
+            keep -= s.dropped  # its index in the table, past the gap
         if s.computed % self.page_size and len(s.pages) >= keep:
             last = s.pages[keep - 1]
             if last not in s.own_pages or self.pool.refcount(last) > 1:
@@ -164,10 +166,7 @@ class KVManager:
         if drop <= 0 or len(s.pages) < s.sink + drop:
             return
         if not s.dropped and s.handle is not None and s.handle.steps > s.sink * ps:
-            handle = self.cache.insert(s.key(s.sink * ps), s.pages[: s.sink])  # what the cache holds of its sink
-            self.cache.lock(handle)
-            self.cache.unlock(s.handle)
-            s.handle = handle
+            self._lock_sink_only(s)
         gone = s.pages[s.sink : s.sink + drop]
         del s.pages[s.sink : s.sink + drop]
         s.dropped += drop
@@ -178,6 +177,20 @@ class KVManager:
         first = (s.sink + s.dropped) * ps - s.cfg.max_delay  # the first frame its steps from there read
         s.user.forget(s.sink * ps, first)
         s.model.forget(s.sink * ps, first)
+
+    def _lock_sink_only(self, s: Session) -> None:
+        """The first time pages leave its window: its lock moves to its sink, pages it had matched past the sink are
+        held as its own (no lock keeps them now), and the cache forgets what it held of its steps past the sink that
+        nobody else uses: a prefix whose head is going matches nothing, and would pin its tail until it all left."""
+        old = s.handle
+        s.handle = self.cache.insert(s.key(s.sink * self.page_size), s.pages[: s.sink])  # what it holds of the sink
+        self.cache.lock(s.handle)
+        owned = set(s.own_pages)
+        matched = [p for p in s.pages[s.sink :] if p not in owned]
+        self.cache.hold(matched)
+        s.own_pages += matched
+        self.cache.unlock(old)
+        self.cache.forget_past(old, s.handle)
 
     def reserve(self, work: list[Work], victim: Callable[[Session, set[str]], Session | None]) -> list[Work]:
         """Pages for this round's work. When the pool runs short, a session preempts the one `victim` names; a

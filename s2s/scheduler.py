@@ -25,7 +25,8 @@ import numpy as np
 
 from s2s.config import FRAME_S
 from s2s.metrics import CostModel
-from s2s.session import Phase, Session
+from s2s.session import Session
+from s2s.turns import Phase
 
 AGING_STEPS_PER_S = 2000.0  # a second of waiting counts like this many cached steps
 
@@ -138,7 +139,8 @@ class Scheduler:
         if between or (listening and urgent(s)):
             return min(between or listening, key=lambda o: o.last_active)
         order = {o.id: i for i, o in enumerate(sessions)}
-        newest = max(others, key=lambda o: order[o.id], default=None)
+        others = [o for o in others if not (o.phase is Phase.REPLY and o.turns[-1].reply_end is not None)]
+        newest = max(others, key=lambda o: order[o.id], default=None)  # (a reply that has ended finishes first)
         return newest if newest is not None and order[newest.id] > order[s.id] else None
 
 

@@ -8,15 +8,13 @@ pairs still unknown are sampled.
 
 The engine thread alone reads and writes a live session: callers on other threads reach it through the engine's
 command queue (`input_kind` and `events` aside: the first is set once, by the caller, before its first input command;
-the second is a thread-safe queue). Its pages and cache handle are `KVManager`'s to change; the turn lifecycle (a
-reply starts, is cut by a barge-in, ends, is regenerated) is here.
+the second is a thread-safe queue). Its pages and cache handle are `KVManager`'s to change; its turn lifecycle (a
+reply starts, is cut by a barge-in, ends, is regenerated) is `TurnLifecycle`'s (`s2s/turns.py`).
 """
 
 from __future__ import annotations
 
 import copy
-import enum
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,28 +24,13 @@ from s2s.context import ContextBound
 from s2s.events import EventQueue
 from s2s.frames import UNKNOWN, Frames
 from s2s.sampling import SamplingParams
+from s2s.turns import Phase, Turn, TurnLifecycle
 
 STREAMING_S = 1.0  # a session whose user's audio came in this recently is a stream (admission)
 INPUT_GAP_S = 0.5  # input this far behind real time is a gap (muted, paused), not a server too slow to read it
 
 
-class Phase(enum.Enum):
-    LISTEN = "listen"  # duplex: always; turn: the user speaks, the model stream is silent
-    REPLY = "reply"  # turn: the model speaks until it ends its reply
-
-
-@dataclass
-class Turn:
-    """One user utterance and the reply to it, with the stage timestamps (engine clock, seconds)."""
-
-    id: int
-    first_frame: int  # first user frame of the turn
-    reply_start: int | None = None  # first predicted model frame
-    reply_end: int | None = None  # first model frame after the reply (END sampled or max frames)
-    times: dict[str, float] = field(default_factory=dict)
-
-
-class Session:
+class Session(TurnLifecycle):
     def __init__(
         self,
         cid: str,
@@ -88,7 +71,7 @@ class Session:
         self.last_active = now  # its last computed step
         self.idle_frames = -1  # user frames when it was preempted while listening (`dormant`)
         self.first_frame_at: float | None = None  # when the first user frame reached the engine (deadlines)
-        self.last_heard: float | None = None  # when user frames last reached the engine (`streaming`)
+        self.last_heard = now  # when user frames last reached the engine (`streaming`; opening counts)
         self.input_started: float | None = None  # when its input would have begun, had it come without gaps
         self.input_s = 0.0  # seconds of input pushed
         self.prompt_frames = 0
@@ -128,6 +111,7 @@ class Session:
             "prompt_frames": self.prompt_frames,
             "sink": self.sink,
             "dropped": self.dropped,
+            "emitted": min(self.emitted, self.user_frames),
         }
 
     def restore(self, snap: dict) -> None:
@@ -139,7 +123,7 @@ class Session:
         if self.mode == "duplex" and n == 0:
             self.model[0] = self.cfg.silent_id
         self.turns, self.prompt_frames = snap["turns"], snap["prompt_frames"]
-        self.sink, self.dropped = snap["sink"], snap["dropped"]
+        self.sink, self.dropped, self.emitted = snap["sink"], snap["dropped"], snap["emitted"]
         self.complete = 0
 
     # ---- frames --------------------------------------------------------------------------------------------------
@@ -233,10 +217,10 @@ class Session:
             return self.pages, self.computed, 0
         ps = self.bound.page_size
         hidden = self.bound.window_start(self.sink, self.computed // ps) - self.sink
+        if self.computed >= self.sink * ps:  # recomputing after a gap (`restore`, preempted): what is kept
+            hidden = max(hidden, self.dropped)
         if hidden <= 0:
             return self.pages, self.computed, 0
-        if hidden < self.dropped:
-            raise AssertionError(f"{self.id}: step {self.computed} needs pages that left its table")
         table = self.pages[: self.sink] + self.pages[self.sink + hidden - self.dropped :]
         return table, self.computed - hidden * ps, hidden * ps
 
@@ -293,8 +277,13 @@ class Session:
 
     def complete_model_frames(self) -> int:
         """Model frames whose every codebook is known, counted from frame 0 (contiguous)."""
-        while self.complete < len(self.model) and (self.model[self.complete] != UNKNOWN).all():
-            self.complete += 1
+        while self.complete < len(self.model):
+            if self.model.forgotten(self.complete):
+                self.complete = self.model.start  # forgotten frames were all complete
+            elif (self.model[self.complete] != UNKNOWN).all():
+                self.complete += 1
+            else:
+                break
         return self.complete
 
     # ---- the turn lifecycle --------------------------------------------------------------------------------------
@@ -312,127 +301,6 @@ class Session:
                 self.first_frame_at += late
         self.input_s += seconds
 
-    def hear(self, codes: np.ndarray, now: float) -> None:
-        """New user frames `[K, n]` from the encoder (or pushed as codes). In turn mode, speech after an answered
-        turn opens the next turn."""
-        if self.first_frame_at is None:
-            self.first_frame_at = now
-        self.last_heard = now
-        if (
-            self.mode == "turn"
-            and self.phase is Phase.LISTEN
-            and (not self.turns or self.turns[-1].reply_start is not None)
-        ):
-            self.turns.append(Turn(len(self.turns), self.user_frames, times={"first_audio_in": now}))
-        self.add_user_frames(codes)
-
-    def end_turn(self, ended: float) -> None:
-        """The user finished speaking at `ended`; the reply starts once their audio is in (`start_reply`). A second
-        end of turn with no new speech (from VAD and the client both) changes nothing."""
-        answered = self.turns and self.turns[-1].reply_start is not None and not self.pending
-        if self.phase is Phase.REPLY or answered:
-            return
-        if self.end_of_turn_at is None:  # stamped on the turn when its reply starts: it may not exist yet
-            self.end_of_turn_at = ended
-
-    def start_reply(self, now: float) -> bool:
-        """Turn mode: once a finished turn's audio is all in, the model stream becomes predicted. True when the
-        user's last step is already computed, so the reply's first step can be sampled at once."""
-        if self.end_of_turn_at is None or self.pending or self.phase is Phase.REPLY or not self.turns:
-            return False
-        turn = self.turns[-1]
-        turn.times.setdefault("end_of_turn", self.end_of_turn_at)
-        self.end_of_turn_at = None
-        turn.reply_start = self.user_frames
-        turn.times["reply_start"] = now
-        self.phase = Phase.REPLY
-        self.emitted = turn.reply_start
-        self.fill_reply_silence()
-        if self.computed == turn.reply_start and self.last_logits is not None:
-            turn.times["prefill_done"] = now
-            return True
-        return False
-
-    def fill_reply_silence(self) -> None:
-        """While replying, the user stream is silent; after the reply's end, the model stream is too."""
-        turn = self.turns[-1]
-        horizon = self.computed + int(self.delays.max()) + 2
-        self._ensure(horizon + 1)
-        silent = self.cfg.silent_id
-        for f in range(turn.reply_start, horizon):
-            if self.user[f, 0] == UNKNOWN:
-                self.user[f] = silent
-        self.user_frames = max(self.user_frames, horizon)
-        if turn.reply_end is not None:
-            block = self.model[turn.reply_end : horizon]
-            block[block == UNKNOWN] = silent
-
-    def end_reply_at(self, filled: list[tuple[int, int]], max_reply_frames: int) -> None:
-        """After sampling: the reply ends at its END code, or after `max_reply_frames` frames."""
-        turn = self.turns[-1]
-        for f, k in filled:
-            if k or turn.reply_end is not None:
-                continue
-            if self.model[f, 0] == self.cfg.end_id:
-                turn.reply_end = f
-            elif f - turn.reply_start + 1 >= max_reply_frames:
-                turn.reply_end = f + 1
-        if turn.reply_end is not None:
-            self.fill_reply_silence()
-
-    def reply_over(self) -> bool:
-        """Every codebook of the reply's frames is known and decoded."""
-        if self.phase is not Phase.REPLY:
-            return False
-        turn = self.turns[-1]
-        return turn.reply_end is not None and self.emitted >= turn.reply_end
-
-    def finish_reply(self, now: float) -> dict:
-        """Back to listening; returns the `reply_done` event's data. Call `rewind(computed)` after."""
-        turn = self.turns[-1]
-        turn.times["reply_done"] = now
-        self.phase = Phase.LISTEN
-        frames = int(turn.reply_end - turn.reply_start)
-        return {"event": "reply_done", "turn": turn.id, "frames": frames, "times": dict(turn.times)}
-
-    def cut_reply(self, played_frames: int, now: float) -> int | None:
-        """Barge-in: the reply ends after the `played_frames` frames the user heard. Returns the frame to rewind to,
-        or None when no reply is playing."""
-        if self.phase is not Phase.REPLY:
-            return None
-        turn = self.turns[-1]
-        cut = turn.reply_start + max(0, min(played_frames, self.complete_model_frames() - turn.reply_start))
-        turn.reply_end = cut
-        turn.times["interrupted"] = now
-        self.phase = Phase.LISTEN
-        self.emitted = cut
-        self.events.drop_turn_audio(turn.id)
-        return cut
-
-    def regenerate(self, now: float) -> int:
-        """Turn mode: drop the last reply to generate it again; returns the frame to rewind to."""
-        if self.mode != "turn" or self.phase is not Phase.LISTEN or not self.turns:
-            raise ValueError("regenerate needs a turn-mode conversation that has finished a reply")
-        turn = self.turns[-1]
-        if turn.reply_start is None:
-            raise ValueError("the last turn has no reply to regenerate")
-        if not self.can_rewind(turn.reply_start):
-            raise ValueError("the last reply has left the context window: it cannot be regenerated")
-        cut = turn.reply_start
-        turn.reply_start = turn.reply_end = None
-        turn.times = {"regenerate": now}
-        self.end_of_turn_at = now
-        return cut
-
-    def restart(self) -> int:
-        """Back to the voice prompt, turns numbered from 0 again; returns the frame to rewind to. Audio of the old
-        context still queued is dropped; its stream's deadlines start again with its next frame."""
-        for turn in self.turns:
-            self.events.drop_turn_audio(turn.id)
-        self.turns, self.phase, self.end_of_turn_at, self.pending = [], Phase.LISTEN, None, []
-        self.first_frame_at, self.emitted = None, 0
-        return self.prompt_frames
-
     def rewind(self, frame: int) -> None:
         """Forget both streams from `frame` on; steps from there lose their K/V (`KVManager.trim` drops them)."""
         self.idle_frames = -1  # it is no longer what was preempted (`dormant`)
@@ -444,15 +312,6 @@ class Session:
             # the stored logits belong to a forgotten step: recompute step frame - 1 to predict frame again
             self.computed = max(0, frame - 1)
             self.last_logits = None
-
-    def answered(self) -> bool:
-        """Its last turn has its reply (not cut by a barge-in, whose speech is on its way), or no speech yet."""
-        if not self.turns:
-            return True
-        turn = self.turns[-1]
-        if turn.reply_start is None:
-            return self.user_frames == turn.first_frame  # the turn opened with a voice prompt, before any speech
-        return "interrupted" not in turn.times
 
     def stats(self) -> dict:
         return {

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from s2s import ModelConfig, S2SModel, SamplingParams
 from s2s.backbone import Backbone
 from s2s.engine import Engine, EngineConfig, MetaEvent
-from s2s.session import Phase
+from s2s.turns import Phase
 
 GREEDY = SamplingParams(temperature=0)
 PS = 16
@@ -232,3 +232,85 @@ def test_restart_takes_the_context_back_to_the_prompt(model) -> None:
             engine.push_codes(c, feed[:, f : f + 4])
         engine.step()
     assert np.array_equal(s.model[:50], engine.sessions[fresh].model[:50])  # as if it had just opened
+
+
+def feed(engine: Engine, cid: str, frames: int, rng, chunk: int = 4) -> None:
+    for _ in range(frames // chunk):
+        engine.push_codes(cid, rng.integers(0, 64, (2, chunk)))
+        engine.step()
+
+
+def test_a_conversation_with_a_gap_preempted_or_resumed_recomputes_what_it_kept(model) -> None:
+    """Its sink and then its kept window, each step seeing what is kept before it; it then goes on."""
+    rng = np.random.default_rng(8)
+    engine = make(model, num_pages=7)  # 6 usable: a holds 4, b needs 4
+    a, b = engine.open("duplex", sampling=GREEDY), engine.open("duplex", sampling=GREEDY, admit=False)
+    feed(engine, a, 100, rng)
+    sa = engine.sessions[a]
+    assert sa.dropped == 3
+    engine.pause(a)
+    feed(engine, b, 80, rng)
+    assert engine.stats.preempted == 1 and not sa.pages
+    engine.unpause(a)
+    feed(engine, a, 8, rng)
+    for _ in range(8):  # a page of its window a tick (each page sees its own window)
+        engine.step()
+    assert sa.computed >= 100 and sa.dropped == 3 and sa.pages
+    engine.close(a)
+    engine.close(b)
+    engine.step()
+    engine.open("duplex", sampling=GREEDY, session_id=a, resume=True)
+    feed(engine, a, 8, rng)
+    for _ in range(8):
+        engine.step()
+    s = engine.sessions[a]
+    assert s.computed >= 100 and s.emitted >= 100  # it does not send its history again
+    engine.cache.check()
+
+
+def test_a_rewind_after_a_preemption_keeps_the_gap(model) -> None:
+    rng = np.random.default_rng(9)
+    engine = make(model)
+    a = engine.open("turn", sampling=GREEDY)
+    for _ in range(4):
+        feed(engine, a, 30, rng, 6)
+        engine.end_turn(a)
+        for _ in range(100):
+            engine.step()
+            s = engine.sessions[a]
+            if s.phase is Phase.LISTEN and s.turns[-1].reply_end is not None:
+                break
+    assert s.dropped > 0
+    engine.kv.preempt(s)  # what `reserve` does when `Scheduler.victim` names it
+    engine.regenerate(a)
+    for _ in range(40):
+        engine.step()
+    assert s.dropped > 0 and s.turns[-1].reply_end is not None and s.phase is Phase.LISTEN
+    engine.cache.check()
+
+
+def test_the_first_slide_leaves_no_page_unheld_and_pins_no_cached_chain(model) -> None:
+    """Resumed, it matched pages past its sink: once its lock moves to the sink, it holds them itself. And a turn
+    conversation's cached chain past its sink goes from the cache, so a pool of its bound plus one page is enough."""
+    rng = np.random.default_rng(10)
+    engine = make(model)
+    a = engine.open("duplex", sampling=GREEDY, session_id="a")
+    feed(engine, a, 60, rng)
+    engine.close(a)
+    engine.step()
+    engine.open("duplex", sampling=GREEDY, session_id="a", resume=True)
+    feed(engine, a, 12, rng)
+    s = engine.sessions[a]
+    assert s.dropped and set(s.pages[s.sink :]) <= set(s.own_pages)
+    engine.cache.check()
+    bound = engine.bound.max_pages(1, "turn")
+    tight = make(model, num_pages=bound + 2)
+    t = tight.open("turn", sampling=GREEDY)
+    for i in range(60):
+        tight.push_codes(t, rng.integers(0, 64, (2, 4)))
+        if i % 10 == 9:
+            tight.end_turn(t)
+        tight.step()
+    s = tight.sessions[t]
+    assert s.dropped and s.computed >= s.user_frames - 8 and tight.stats.out_of_pages == 0
+    tight.cache.check()

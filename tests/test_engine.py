@@ -14,7 +14,7 @@ from clocks import CallClock, SimClock
 from codec import EncodecTokenizer
 from s2s import ModelConfig, S2SModel, SamplingParams
 from s2s.engine import FRAME_S, AudioEvent, Engine, EngineConfig, MetaEvent, Refused
-from s2s.session import Phase
+from s2s.turns import Phase
 
 GREEDY = SamplingParams(temperature=0)
 

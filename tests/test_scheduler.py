@@ -7,7 +7,8 @@ import numpy as np
 from s2s.config import ModelConfig
 from s2s.sampling import SamplingParams
 from s2s.scheduler import Scheduler
-from s2s.session import Phase, Session, Turn
+from s2s.session import Session
+from s2s.turns import Phase, Turn
 
 CFG = ModelConfig.preset("tiny", num_codebooks=2)
 
@@ -75,3 +76,16 @@ def test_background_prefill_is_capped_while_a_reply_has_not_yet_sounded() -> Non
     replying.emitted += 4  # its first audio has left: nobody waits on this tick any more
     work = s.pick([conv("prompt", frames=80), replying], 0.0)
     assert [(w.session.id, len(w.tokens), w.decode) for w in work] == [("reply", 1, True), ("prompt", 64, False)]
+
+
+def test_victims_paused_first_and_never_a_reply_that_has_ended() -> None:
+    """A paused session goes first; a reply whose last frame is sampled is about to finish (it rewinds to its
+    computed steps), so it is never preempted."""
+    s, ended, newest = conv("s"), answering(conv("ended")), conv("newest")
+    ended.turns[-1].reply_end = ended.user_frames + 5
+    for c in (s, ended, newest):
+        c.pages = [1]
+    assert Scheduler.victim(s, [s, ended, newest], set()) is newest
+    assert Scheduler.victim(s, [newest, s, ended], set()) is None  # only the ended reply opened after s
+    newest.paused = True
+    assert Scheduler.victim(s, [s, ended, newest], set()) is newest

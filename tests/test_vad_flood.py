@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from test_server import run_with_server
 
 from s2s import Engine, EngineConfig, ModelConfig, S2SModel
-from s2s.session import Phase
+from s2s.turns import Phase
 from server import protocol
 from server.speech import synthesize
 from server.turn_gate import TurnGate

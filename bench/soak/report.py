@@ -66,9 +66,12 @@ def targets(
     if final is not None:
         p = pages(final["metrics"])
         total = sum(p.values())
+        m = final["metrics"]
+        checks, failed = m.get("s2s_kv_checks_total", 0), m.get("s2s_kv_check_failures_total", 0)
         measured = ", ".join(f"{k} {v}" for k, v in p.items()) + f" (usable {usable})"
-        ok = final["at_baseline"] and total == usable and final["conversations"] == 0
-        out.append(_target("no leaked page (all clients gone)", measured, "private 0, locked 0", ok))
+        measured += f"; the engine's idle page checks: {checks:.0f}, {failed:.0f} failed"
+        ok = final["at_baseline"] and total == usable and final["conversations"] == 0 and checks > 0 and not failed
+        out.append(_target("no leaked page (all clients gone)", measured, "private 0, locked 0, checks pass", ok))
     shown = f"{len(errors)} lines" + (f", first: {errors[0][:100]!r}" if errors else "")
     out.append(_target("no error in the server log", shown, "0 lines", not errors))
     return out
