@@ -14,13 +14,14 @@ with a microphone that streams silence between them, barge-ins over a reply, one
 muted, under the server's idle timeout; duplex: streamed silence, or muted with `--duplex-mute`), and a close frame
 or an aborted TCP connection at the end, some while a reply plays.
 
-Every `--sample-s` seconds a row: the server's RSS (VmRSS), K/V pages by state, conversations, tick time (mean over
-the interval from the busy and tick counters; /metrics has no tick percentile but a p50 of the last 1000 ticks),
-deadline misses, first-audio latency of turns (client side: end of the user's speech to the first reply audio;
-and the server's own stamps), refusals and errors the clients saw. The targets (issue 20): RSS growth after warm-up
-under 5 % (idle RSS between waves), pages back to baseline between waves (free + cached_evictable == every usable
-page), no deadline miss, p95 first audio in the last 5 minutes within 10 % of the first 5, no leaked page once all
-clients left, and no line naming an error in the server's output.
+Every `--sample-s` seconds a row: the server's RSS (VmRSS), K/V pages by state, conversations, tick time (mean
+over the interval from the busy and tick counters: /metrics' p50 and p95 gauges cover the last 1000 ticks, whatever
+the interval), deadline misses, first-audio latency of turns (client side: end of the user's speech to the first
+reply audio; and the server's own stamps), refusals and errors the clients saw. The targets (issue 20): RSS
+growth after warm-up under 5 % (idle RSS between waves), pages back to baseline between waves (free +
+cached_evictable == every usable page), no deadline miss, p95 first audio in the last 5 minutes within 10 % of
+the first 5, no leaked page once all clients left (and the engine's idle page check passed), and no line naming an
+error in the server's output.
 
 `--quick`: 24 s in two waves, shorter plans and speech, no second probe.
 """

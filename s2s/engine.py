@@ -410,6 +410,7 @@ class Engine:
         s.events.put(None)
 
     def _apply_close(self, s: Session) -> None:
+        self.scheduler.forget(s.id)
         if self.sessions.pop(s.id, None) is s:
             self.kv.insert(s, lock=False)
             self.kv.detach(s)

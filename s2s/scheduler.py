@@ -55,6 +55,10 @@ class Scheduler:
         self.prefill_budget, self.background_budget, self.page_size = prefill_budget, background_budget, page_size
         self._waiting_since: dict[str, float] = {}
 
+    def forget(self, cid: str) -> None:
+        """A closed session waits no longer."""
+        self._waiting_since.pop(cid, None)
+
     @staticmethod
     def deadline(s: Session) -> float:
         """The deadline of the first frame the session's next step completes, less the jitter buffer (the same for

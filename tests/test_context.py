@@ -314,3 +314,22 @@ def test_the_first_slide_leaves_no_page_unheld_and_pins_no_cached_chain(model) -
     s = tight.sessions[t]
     assert s.dropped and s.computed >= s.user_frames - 8 and tight.stats.out_of_pages == 0
     tight.cache.check()
+
+
+def test_the_engine_checks_its_pages_once_each_time_the_last_conversation_goes(model) -> None:
+    rng = np.random.default_rng(11)
+    engine = make(model)
+    for round_ in range(2):
+        cid = engine.open("duplex", sampling=GREEDY, admit=False)
+        feed(engine, cid, 8, rng)
+        engine.close(cid)
+        engine.step()
+        engine.step()
+        assert (engine.stats.kv_checks, engine.stats.kv_check_failures) == (round_ + 1, 0)
+    cid = engine.open("duplex", sampling=GREEDY, admit=False)
+    feed(engine, cid, 8, rng)
+    leaked = engine.sessions[cid].own_pages.pop()  # a page nobody will give back
+    engine.close(cid)
+    engine.step()
+    assert (engine.stats.kv_checks, engine.stats.kv_check_failures) == (3, 1)
+    assert engine.cache.stats().private == 1 and leaked

@@ -81,7 +81,7 @@ def test_an_interval_row_takes_deltas_pages_and_the_clients_events() -> None:
 
 
 def test_targets_are_met_or_not_as_the_numbers_say() -> None:
-    base = _metrics(60, 40, 0, 0)
+    base = _metrics(60, 40, 0, 0, s2s_kv_checks_total=3, s2s_kv_check_failures_total=0)
     waves = [
         {"t_s": 100.0, "rss_mb": 1000.0, "at_baseline": True, "conversations": 0, "metrics": base},
         {"t_s": 400.0, "rss_mb": 1010.0, "at_baseline": True, "conversations": 0, "metrics": base},
@@ -98,7 +98,8 @@ def test_targets_are_met_or_not_as_the_numbers_say() -> None:
         "no leaked page (all clients gone)": "yes",
         "no error in the server log": "yes",
     }
-    waves[-1] = {**waves[-1], "rss_mb": 1070.0, "at_baseline": False, "metrics": _metrics(60, 39, 0, 1)}
+    failed_check = _metrics(60, 39, 0, 1, s2s_kv_checks_total=3, s2s_kv_check_failures_total=1)
+    waves[-1] = {**waves[-1], "rss_mb": 1070.0, "at_baseline": False, "metrics": failed_check}
     errors = log_errors("serving\nTraceback (most recent call last):\nValueError: x\nfine\n")
     assert errors == ["Traceback (most recent call last):", "ValueError: x"]
     late = events[:10] + [Event(e.t, "latency", 0.2) for e in events[10:]]
