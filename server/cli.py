@@ -253,9 +253,12 @@ async def serve_until_sigterm(server: ChatServer, note: Callable[[], str] | None
     SIGTERM, then stop it."""
     import asyncio
 
+    from server.gc_pause import freeze_startup_heap
+
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)  # `ServerProcess` stops it so
     port = await server.start()
+    freeze_startup_heap()  # the process is a server from here: see server/gc_pause.py
     try:
         if note is not None:
             print(note())
