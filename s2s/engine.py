@@ -411,6 +411,7 @@ class Engine:
 
     def _apply_close(self, s: Session) -> None:
         self.scheduler.forget(s.id)
+        self._checked_idle = False  # (it may have opened and closed within this tick's commands)
         if self.sessions.pop(s.id, None) is s:
             self.kv.insert(s, lock=False)
             self.kv.detach(s)
