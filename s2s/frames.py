@@ -55,6 +55,9 @@ class Frames:
 
     def gather(self, frames: np.ndarray, codebooks: np.ndarray) -> np.ndarray:
         """The codes at (`frames`, `codebooks`), broadcast together (frames >= 0); frames past the end read UNKNOWN."""
+        if not frames.size or frames.min() >= self.start:  # the usual read, each tick: recent frames only
+            rows = np.minimum(frames - self.start, len(self.data) - 1)
+            return np.where(frames < len(self), self.data[rows, codebooks], UNKNOWN)
         shape = np.broadcast_shapes(frames.shape, codebooks.shape)
         frames, codebooks = np.broadcast_to(frames, shape), np.broadcast_to(codebooks, shape)
         out = np.full(shape, UNKNOWN, dtype=np.int64)
