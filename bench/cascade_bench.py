@@ -1,9 +1,11 @@
 """Cascade benchmark: turn latency of this server (turn and duplex mode) beside a cascaded STT -> LLM -> TTS pipeline.
 
-    s2s bench cascade [--quick] [--json PATH] [--plot PATH]
+    s2s bench cascade [--quick] [--protocol moshi|realtime|both] [--json PATH] [--plot PATH]
 
 Every system is a websocket server in its own child process (one at a time), same model size (small preset, seeded):
-- `s2s serve --vad-silence S`: this server, turn mode (Silero endpointing after S of silence) and duplex mode;
+- `s2s serve --vad-silence S`: this server, turn mode (Silero endpointing after S of silence) and duplex mode; turn
+  mode through Moshi's binary protocol (`turn`) and through the Realtime API on the same server (`turn-realtime`:
+  base64 pcm16 in JSON appends, server VAD with `silence_duration_ms` S, latency to the first audio delta);
 - `python -m bench.cascade.serve`: `bench/cascade/`, the same endpointing (silence_ms=S), pocketsphinx fed while
   the user speaks, a byte-level text decoder of the same size on this engine, then espeak-ng or this engine's speech
   decoder.
@@ -21,8 +23,10 @@ wholly in context (frames are counted in the pcm16 stream). Per-stage times come
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import matplotlib
@@ -53,6 +57,7 @@ from s2s import ModelConfig
 from server import protocol
 from server.process import ServerProcess
 from server.protocol import BLOCK, Kind, metadata_of
+from server.realtime.wire import pcm16_base64
 from server.speech import synthesize
 from server.vad import Endpointer, VadConfig
 
@@ -110,12 +115,31 @@ class TurnResult:
     errors: list[str] = field(default_factory=list)
 
 
+async def speak(
+    ws, clip: Clip, start: float, timeout_s: float, done: asyncio.Event, message: Callable[[np.ndarray], bytes | str]
+) -> list[float]:
+    """The clip, then silence (a microphone stays on), in 80 ms blocks each sent once its last sample is "spoken",
+    until `done`; returns when each block left."""
+    silence, sent_at = np.zeros(BLOCK, dtype=np.float32), []
+    try:
+        for i in range(int((len(clip.pcm) / SAMPLE_RATE + timeout_s) * SAMPLE_RATE / BLOCK)):
+            a = i * BLOCK
+            block = clip.pcm[a : a + BLOCK] if a < len(clip.pcm) else silence
+            await asyncio.sleep(max(0.0, start + (i + 1) * BLOCK / SAMPLE_RATE - time.perf_counter()))
+            if done.is_set():
+                break
+            await ws.send(message(block))
+            sent_at.append(time.perf_counter())
+    except ConnectionClosed:
+        pass
+    return sent_at
+
+
 async def one_turn(url: str, clip: Clip, system: str, query: str, timeout_s: float, max_delay: int) -> TurnResult:
     """One utterance on a fresh connection, measured as the module docstring says."""
     result = TurnResult()
     start = time.perf_counter()
     eos_at = start + (clip.eos + 1) / SAMPLE_RATE  # when the speaker stopped, in real time
-    sent_at: list[float] = []  # block i left the client
     received = 0  # duplex: samples of model audio so far
     first_audio: float | None = None
     target = (
@@ -155,18 +179,11 @@ async def one_turn(url: str, clip: Clip, system: str, query: str, timeout_s: flo
             done.set()
 
         reader = asyncio.create_task(receive())
-        silence = np.zeros(BLOCK, dtype=np.float32)
-        try:
-            for i in range(int((len(clip.pcm) / SAMPLE_RATE + timeout_s) * SAMPLE_RATE / BLOCK)):
-                a = i * BLOCK
-                block = clip.pcm[a : a + BLOCK] if a < len(clip.pcm) else silence
-                await asyncio.sleep(max(0.0, start + (i + 1) * BLOCK / SAMPLE_RATE - time.perf_counter()))
-                if done.is_set():
-                    break
-                await ws.send(protocol.audio((np.clip(block, -1, 1) * 32767).astype("<i2").tobytes()))
-                sent_at.append(time.perf_counter())
-        except ConnectionClosed:
-            pass
+
+        def pcm16(block: np.ndarray) -> bytes:
+            return protocol.audio((np.clip(block, -1, 1) * 32767).astype("<i2").tobytes())
+
+        sent_at = await speak(ws, clip, start, timeout_s, done, pcm16)  # block i left the client at sent_at[i]
         await ws.close()
         await asyncio.wait_for(reader, 5)
     if first_audio is None and not result.refused:
@@ -199,16 +216,74 @@ async def one_turn(url: str, clip: Clip, system: str, query: str, timeout_s: flo
     return result
 
 
+async def one_realtime_turn(url: str, clip: Clip, silence_ms: float, timeout_s: float) -> TurnResult:
+    """One utterance through the Realtime API on a fresh connection: 80 ms appends in real time, as `one_turn` sends
+    them, and the turn's latency from the end of speech to the first audio delta."""
+    result = TurnResult()
+    first_audio: float | None = None
+    done = asyncio.Event()
+    async with connect(f"{url}/v1/realtime?model=s2s", max_size=None) as ws:
+        vad = {"type": "server_vad", "silence_duration_ms": int(silence_ms)}
+        await ws.send(
+            json.dumps({"type": "session.update", "session": {"audio": {"input": {"turn_detection": vad}}, "seed": 1}})
+        )
+        async with asyncio.timeout(timeout_s):
+            while (event := json.loads(await ws.recv()))["type"] not in ("session.updated", "error"):
+                pass
+        if event["type"] == "error":
+            result.refused = event["error"]["code"] == "refused"
+            result.errors.append(event["error"]["message"])
+            return result
+        start = time.perf_counter()
+        eos_at = start + (clip.eos + 1) / SAMPLE_RATE
+
+        async def receive() -> None:
+            nonlocal first_audio
+            try:
+                async for message in ws:
+                    event = json.loads(message)
+                    now = time.perf_counter()
+                    if event["type"] == "response.output_audio.delta" and first_audio is None and now > eos_at:
+                        first_audio = now
+                    elif event["type"] == "response.done":
+                        done.set()
+                    elif event["type"] == "error":
+                        result.errors.append(event["error"]["message"])
+            except ConnectionClosed:
+                pass
+            done.set()
+
+        reader = asyncio.create_task(receive())
+
+        def append(block: np.ndarray) -> str:
+            return json.dumps({"type": "input_audio_buffer.append", "audio": pcm16_base64(block)})
+
+        await speak(ws, clip, start, timeout_s, done, append)
+        await ws.close()
+        await asyncio.wait_for(reader, 5)
+    if first_audio is None:
+        result.errors.append(f"no reply audio within {timeout_s:g} s of the end of speech")
+        return result
+    result.latency_s = first_audio - eos_at
+    return result
+
+
 async def run_level(
     url: str, system: str, query: str, n: int, rounds: int, voices: list[Clip], timeout_s: float, max_delay: int
 ) -> list[TurnResult]:
+    def turn(clip: Clip):
+        if system == "turn-realtime":
+            silence_ms = float(query.rpartition("silence_ms=")[2])
+            return one_realtime_turn(url, clip, silence_ms, timeout_s)
+        return one_turn(url, clip, system.split("-")[0], query, timeout_s, max_delay)
+
     async def client(i: int) -> list[TurnResult]:
         await asyncio.sleep(i / n)
         results = []
         for r in range(rounds):
             if r:  # the server closes the last conversation a tick or two after its socket: not refused for it
                 await asyncio.sleep(TURN_GAP_S)
-            results.append(await one_turn(url, voices[(i + r) % len(voices)], system, query, timeout_s, max_delay))
+            results.append(await turn(voices[(i + r) % len(voices)]))
         return results
 
     return [r for rs in await asyncio.gather(*(client(i) for i in range(n))) for r in rs]
@@ -248,6 +323,8 @@ def targets(rows: list[dict]) -> list[dict]:
         if duplex:
             row["duplex_over_cascade"] = duplex["turn_latency_ms_p50"] / c["turn_latency_ms_p50"]
             row["duplex_at_most_third"] = row["duplex_over_cascade"] <= 1 / 3
+        if realtime := by.get(("turn-realtime", silence, n)):
+            row["realtime_over_moshi"] = realtime["turn_latency_ms_p50"] / turn["turn_latency_ms_p50"] if turn else None
         if turn:
             row["turn_p50_ms"] = turn["turn_latency_ms_p50"]
             row["gap_ms"] = c["turn_latency_ms_p50"] - turn["turn_latency_ms_p50"]
@@ -294,6 +371,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads per server process (0: one per core)")
     p.add_argument("--silence-ms", default="200,500", help="endpointing silences (pipecat's 200, LiveKit's 500)")
     p.add_argument("--rounds", default="6,3,2", help="turns per client at concurrency 1, 4 and 16")
+    p.add_argument(
+        "--protocol",
+        choices=["moshi", "realtime", "both"],
+        default="both",
+        help="turn mode through Moshi's binary protocol, the Realtime API, or both (duplex and the cascade: Moshi's)",
+    )
     add_device_args(p)
     args = p.parse_args(argv)
     silences = [float(ms) / 1000 for ms in args.silence_ms.split(",")]
@@ -315,7 +398,10 @@ def main(argv: list[str] | None = None) -> None:
     for s in silences:
         # duplex first: an overloaded turn-mode level teaches the admission cost model slow ticks
         runs = [("duplex", None, "mode=duplex&codec=pcm16&seed=1")] if s == silences[0] else []
-        runs += [("turn", s * 1000, "mode=turn&codec=pcm16&seed=1")]
+        if args.protocol in ("moshi", "both"):
+            runs += [("turn", s * 1000, "mode=turn&codec=pcm16&seed=1")]
+        if args.protocol in ("realtime", "both"):
+            runs += [("turn-realtime", s * 1000, f"silence_ms={s * 1000:g}")]
         plan.append((None, ["--vad-silence", s, *common], runs))
     cascade = [
         (f"cascade-{tts}", s * 1000, f"mode=turn&codec=pcm16&seed=1&tts={tts}&silence_ms={s * 1000:g}")
@@ -341,20 +427,20 @@ def main(argv: list[str] | None = None) -> None:
         for module, server_args, runs in plan:
             with ServerProcess(*server_args, module=module) as url:
                 for system, silence_ms, query in runs:
-                    kind = system.split("-")[0]
                     if not args.quick:  # one turn to warm up (first-call costs), not measured
-                        asyncio.run(run_level(url, kind, query, 1, 1, voices, timeout_s, max_delay))
+                        asyncio.run(run_level(url, system, query, 1, 1, voices, timeout_s, max_delay))
                     for n in levels:
                         # the cascade's /metrics is its speech engine's: no duplex there
                         misses = scrape(url)["s2s_deadline_misses_total"] if module is None else None
                         t0 = time.perf_counter()
-                        results = asyncio.run(run_level(url, kind, query, n, rounds[n], voices, timeout_s, max_delay))
+                        results = asyncio.run(run_level(url, system, query, n, rounds[n], voices, timeout_s, max_delay))
                         after = scrape(url)["s2s_deadline_misses_total"] if module is None else None
                         rows.append(
                             {
                                 "workload": "espeak utterances, one turn per connection",
                                 "system": system,
                                 "mode": "duplex" if system == "duplex" else "turn",
+                                "protocol": "realtime" if system == "turn-realtime" else "moshi",
                                 "silence_ms": silence_ms,
                                 "concurrency": n,
                                 "rounds_per_client": rounds[n],
@@ -371,6 +457,7 @@ def main(argv: list[str] | None = None) -> None:
     columns = [
         ("system", "system"),
         ("mode", "mode"),
+        ("protocol", "protocol"),
         ("silence_ms", "silence ms"),
         ("concurrency", "N"),
         ("answered", "answered"),
@@ -398,6 +485,7 @@ def main(argv: list[str] | None = None) -> None:
             ("stt_plus_llm_ms", "cascade STT+LLM"),
             ("turn_ahead_by_stt_llm", "turn ahead >= STT+LLM"),
             ("gap_wider_than_lower_n", "gap widens"),
+            ("realtime_over_moshi", "realtime / moshi"),
             ("duplex_over_cascade", "duplex / cascade"),
             ("duplex_at_most_third", "duplex <= 1/3"),
         ],

@@ -55,7 +55,7 @@ def track(kind: str, seconds: float, every_s: float, seed: int = 0) -> Track:
 @dataclass(frozen=True)
 class VadEvent:
     t: float  # seconds into the track: the end of the block in which the endpointer said it
-    kind: str  # "speech_start", "take_back", "end_of_turn"
+    kind: str  # "speech_start", "take_back", "end_of_turn", "speech_end"
     turn: TurnScore | None = None  # an end of turn's
     real: bool = False  # an end of turn whose turn overlaps a user sentence
     speech_end: float = 0.0  # a real one's: when the sentence ended

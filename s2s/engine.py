@@ -163,11 +163,29 @@ class Engine:
 
     def end_turn(self, cid: str) -> None:
         """Turn mode: the user finished speaking; the reply starts once their audio is in."""
-        s = self.registry.get(cid)
-        if s.mode != "turn":
-            raise ValueError("end_turn is for turn mode")
-        self._commands.put(functools.partial(s.end_turn, self.clock()))
+        self._commands.put(functools.partial(self._apply_end_turn, self._turn_mode(cid, "end_turn")))
         self._wake.set()
+
+    def commit(self, cid: str) -> None:
+        """Turn mode: the user's audio so far is one turn, to be answered by a later `end_turn` (the Realtime API's
+        commit without a response); the next audio opens another turn. A `committed` event answers each commit,
+        naming the turn, or None when there was nothing to close (no speech since the last turn, or a reply plays)."""
+        s = self._turn_mode(cid, "commit")
+        self._commands.put(functools.partial(self._apply_commit, s))
+
+    def clear_input(self, cid: str) -> None:
+        """Turn mode: drop the user's audio since the last closed turn (pushed, or heard while listening)."""
+        self._commands.put(functools.partial(self._apply_clear, self._turn_mode(cid, "clear_input")))
+
+    def remove(self, cid: str, turn: int, part: str, keep_frames: int = 0) -> None:
+        """Turn mode: take turn `turn`'s user audio (`part="user"`) or its reply after its first `keep_frames`
+        frames (`part="reply"`) out of the context. What follows is computed again, its frames kept; a reply still
+        playing is cut as at a barge-in. What cannot be removed (a reply playing after it, frames that left the
+        context window) gets an error event."""
+        if part not in ("user", "reply") or keep_frames < 0:
+            raise ValueError(f"part must be user or reply and keep_frames >= 0, got {part!r}, {keep_frames}")
+        s = self._turn_mode(cid, "remove")
+        self._commands.put(functools.partial(self._apply_remove, s, turn, part, keep_frames))
 
     def interrupt(self, cid: str, played_frames: int) -> None:
         """Barge-in: cancel the reply and keep in the context only the `played_frames` frames the user heard."""
@@ -176,10 +194,11 @@ class Engine:
     def regenerate(self, cid: str) -> None:
         """Turn mode: drop the last reply and generate it again (a new draw unless sampling is greedy or seeded);
         everything before the reply keeps its K/V. A session with no finished reply gets an error event."""
-        s = self.registry.get(cid)
-        if s.mode != "turn":
-            raise ValueError("regenerate is for turn mode")
-        self._commands.put(functools.partial(self._apply_regenerate, s))
+        self._commands.put(functools.partial(self._apply_regenerate, self._turn_mode(cid, "regenerate")))
+
+    def set_sampling(self, cid: str, sampling: SamplingParams) -> None:
+        """How the conversation's next frames are drawn (a seed starts its generator again)."""
+        self._commands.put(functools.partial(self._apply_sampling, self.registry.get(cid), sampling))
 
     def pause(self, cid: str) -> None:
         """Stop the conversation's stream: nothing is computed for it, input pushed meanwhile is dropped, and its
@@ -298,6 +317,7 @@ class Engine:
                 self._rewind(s, s.computed)
                 self.kv.insert(s, lock=True)
                 s.events.put(MetaEvent(s.id, data["turn"], data))
+                self._release_held(s)
 
     def _record(self, start: float, rounds: list[list[Work]]) -> None:
         decode = sum(w.decode for work in rounds for w in work)
@@ -419,15 +439,94 @@ class Engine:
         s.events.put(None)
 
     def _apply_interrupt(self, s: Session, played_frames: int) -> None:
+        if s.phase is Phase.LISTEN:
+            s.end_of_turn_at = None  # a reply asked for and not started yet is not wanted either
         if s.id in self.sessions and (cut := s.cut_reply(played_frames, self.clock())) is not None:
             self._rewind(s, cut)
             self.audio.reset_decoder(s.row)
+            self._release_held(s)
+
+    @staticmethod
+    def _apply_sampling(s: Session, sampling: SamplingParams) -> None:
+        s.sampling, s.generator = sampling, sampling.generator()
+
+    def _apply_end_turn(self, s: Session) -> None:
+        """The reply to the audio pushed before the end of turn, not after: that is encoded first, and the reply
+        starts now if it can (audio that comes after is held until the reply is over)."""
+        if self.sessions.get(s.id) is not s:
+            return
+        self._timed("encode", self.audio.encode, [s])
+        s.end_turn(self.clock())
+        if not s.paused and s.start_reply(self.clock()):
+            self._sample([s])
+
+    def _apply_commit(self, s: Session) -> None:
+        if self.sessions.get(s.id) is not s:
+            return
+        self._timed("encode", self.audio.encode, [s])  # its audio pushed before the commit, not after
+        if s.phase is Phase.REPLY:
+            s.held.append(None)  # it closes the audio held meanwhile, once the reply is over
+        else:
+            self._committed(s, [s.commit(self.clock())])
+
+    def _committed(self, s: Session, turns: list[int | None]) -> None:
+        for turn in turns:
+            s.events.put(MetaEvent(s.id, s.turns[-1].id if s.turns else 0, {"event": "committed", "turn": turn}))
+
+    def _release_held(self, s: Session) -> None:
+        self._committed(s, s.release_held(self.clock()))
+
+    def _apply_clear(self, s: Session) -> None:
+        if self.sessions.get(s.id) is not s:
+            return
+        if self.audio.encoder is not None:
+            self.audio.encoder.reset(s.row)  # the samples it holds towards its next frame go too
+        try:
+            frame = s.clear_input()
+        except ValueError as e:
+            return self._error(s, str(e))
+        if frame is not None:
+            self._rewind(s, frame)
+
+    def _apply_remove(self, s: Session, turn_id: int, part: str, keep: int) -> None:
+        if self.sessions.get(s.id) is not s:
+            return
+        turn = next((t for t in s.turns if t.id == turn_id), None)
+        if turn is None:
+            return self._error(s, f"no turn {turn_id} in this conversation")
+        if part == "reply" and s.phase is Phase.REPLY and turn is s.turns[-1]:
+            return self._apply_interrupt(s, keep)
+        if part == "reply":
+            if turn.reply_start is None:
+                return self._error(s, f"turn {turn_id} has no reply")
+            start, stop = min(turn.reply_start + keep, turn.reply_end), turn.reply_end
+        else:
+            later = [t.first_frame for t in s.turns if t.first_frame > turn.first_frame]
+            start = turn.first_frame
+            stop = turn.reply_start if turn.reply_start is not None else min(later, default=s.user_frames)
+        if start == stop:
+            return
+        if s.phase is Phase.REPLY:
+            return self._error(s, f"turn {turn_id} is before the reply playing now: cancel that reply first")
+        if not s.can_rewind(start):
+            return self._error(s, f"turn {turn_id} has left the context window: it cannot be changed")
+        s.splice(start, stop)
+        self.kv.trim(s)
+
+    def _error(self, s: Session, message: str) -> None:
+        s.events.put(MetaEvent(s.id, s.turns[-1].id if s.turns else 0, {"event": "error", "message": message}))
+
+    def _turn_mode(self, cid: str, call: str) -> Session:
+        s = self.registry.get(cid)
+        if s.mode != "turn":
+            raise ValueError(f"{call} is for turn mode")
+        return s
 
     def _apply_regenerate(self, s: Session) -> None:
         try:
             self._rewind(s, s.regenerate(self.clock()))
         except ValueError as e:
-            s.events.put(MetaEvent(s.id, s.turns[-1].id if s.turns else 0, {"event": "error", "message": str(e)}))
+            self._error(s, str(e))
 
     def _forget_snapshot(self, cid: str) -> None:
         """Called from the registry: a closed session can no longer be resumed."""

@@ -48,6 +48,7 @@ class Session(TurnLifecycle):
         self.events = EventQueue()
         self.input_kind: str | None = None  # "audio" or "codes", fixed by the first push (checked by the caller)
         self.pending: list[np.ndarray] = []  # pushed PCM or codes, not yet encoded
+        self.held: list[np.ndarray | None] = []  # turn mode: user frames heard while a reply plays, and commits
         self.end_of_turn_at: float | None = None  # turn mode: when the turn whose reply is waiting ended
         self.sampling = sampling
         self.generator = sampling.generator()
@@ -300,6 +301,27 @@ class Session(TurnLifecycle):
             if self.first_frame_at is not None:
                 self.first_frame_at += late
         self.input_s += seconds
+
+    def splice(self, start: int, stop: int) -> None:
+        """Take frames `start..stop-1` out of both streams (turn mode, listening): the frames after move back to
+        `start`, known as they were (their steps are computed again), and the turns' frames with them."""
+        if self.phase is not Phase.LISTEN or not self.prompt_frames <= start <= stop <= self.user_frames:
+            raise AssertionError(f"{self.id}: cannot splice frames {start}..{stop} of {self.user_frames}")
+        user, model = self.user[stop : self.user_frames].copy(), self.model[stop : self.user_frames].copy()
+        assert (user != UNKNOWN).all() and (model != UNKNOWN).all(), "spliced frames must be known"
+        self.rewind(start)
+        self._ensure(start + len(user) + 1)
+        self.user[start : start + len(user)] = user
+        self.model[start : start + len(model)] = model
+        self.user_frames = start + len(user)
+
+        def moved(frame: int | None) -> int | None:
+            return frame if frame is None or frame <= start else max(start, frame - (stop - start))
+
+        for turn in self.turns:
+            turn.first_frame = moved(turn.first_frame)
+            turn.reply_start, turn.reply_end = moved(turn.reply_start), moved(turn.reply_end)
+        self.emitted = moved(self.emitted)
 
     def rewind(self, frame: int) -> None:
         """Forget both streams from `frame` on; steps from there lose their K/V (`KVManager.trim` drops them)."""

@@ -1,5 +1,7 @@
 """The turn lifecycle of a conversation: a turn opens when its user speaks, its reply starts once their audio is in,
-ends at its END code or its longest, is cut by a barge-in, regenerated, or the whole conversation restarted.
+ends at its END code or its longest, is cut by a barge-in, regenerated, or the whole conversation restarted. While
+the model speaks, the user's stream is silent: what the user says meanwhile is held, and heard once the reply is
+over (`release_held`), as the next turn.
 
 `TurnLifecycle` is `Session`'s (`s2s/session.py`): it works on the session's streams, phase and turns, and returns
 the frame to rewind to where its stream must go back (the engine rewinds, and `KVManager.trim` fixes the pages).
@@ -28,6 +30,7 @@ class Turn:
     first_frame: int  # first user frame of the turn
     reply_start: int | None = None  # first predicted model frame
     reply_end: int | None = None  # first model frame after the reply (END sampled or max frames)
+    committed: bool = False  # closed with no reply yet (`commit`): the next audio opens another turn
     times: dict[str, float] = field(default_factory=dict)
 
 
@@ -36,17 +39,56 @@ class TurnLifecycle:
 
     def hear(self, codes: np.ndarray, now: float) -> None:
         """New user frames `[K, n]` from the encoder (or pushed as codes). In turn mode, speech after an answered
-        turn opens the next turn."""
+        turn opens the next turn; while a reply plays, it is held."""
         if self.first_frame_at is None:
             self.first_frame_at = now
         self.last_heard = now
-        if (
-            self.mode == "turn"
-            and self.phase is Phase.LISTEN
-            and (not self.turns or self.turns[-1].reply_start is not None)
-        ):
+        if self.mode == "turn" and self.phase is Phase.REPLY:
+            self.held.append(codes)
+            return
+        if self.mode == "turn" and (not self.turns or self._closed(self.turns[-1])):
             self.turns.append(Turn(len(self.turns), self.user_frames, times={"first_audio_in": now}))
         self.add_user_frames(codes)
+
+    @staticmethod
+    def _closed(turn: Turn) -> bool:
+        return turn.reply_start is not None or turn.committed
+
+    def release_held(self, now: float) -> list[int | None]:
+        """Once a reply is over: the user's audio held while it played is heard, in order, with the commits made
+        meanwhile (`None` marks, `Engine.commit`); returns what each of those commits closed."""
+        held, self.held, closed = self.held, [], []
+        for codes in held:
+            if codes is None:
+                closed.append(self.commit(now))
+            else:
+                self.hear(codes, now)
+        return closed
+
+    def commit(self, now: float) -> int | None:
+        """The open turn is closed with no reply yet (the Realtime API's commit), to be answered by a later
+        `end_turn`; the next audio opens another. Returns its id, or None when there is nothing to close (no speech
+        since the last turn, or a reply playing). Its audio must be in (`Engine.commit` encodes what is pending)."""
+        turn = self.turns[-1] if self.turns else None
+        if self.phase is not Phase.LISTEN or turn is None or self._closed(turn) or self.user_frames == turn.first_frame:
+            return None
+        turn.committed = True
+        turn.times["committed"] = now
+        return turn.id
+
+    def clear_input(self) -> int | None:
+        """The user's audio since the last closed turn goes (the Realtime API's clear): what is pushed and not yet
+        heard, and while listening the open turn's frames. Returns the frame to rewind to, or None."""
+        self.pending = []
+        commits = [i for i, codes in enumerate(self.held) if codes is None]
+        self.held = self.held[: commits[-1] + 1] if commits else []
+        turn = self.turns[-1] if self.turns else None
+        if self.phase is not Phase.LISTEN or turn is None or self._closed(turn) or self.user_frames == turn.first_frame:
+            return None
+        if not self.can_rewind(turn.first_frame):
+            raise ValueError("the audio to clear began before the context window: it cannot be cleared")
+        turn.times = {}
+        return turn.first_frame
 
     def end_turn(self, ended: float) -> None:
         """The user finished speaking at `ended`; the reply starts once their audio is in (`start_reply`). A second
@@ -151,7 +193,7 @@ class TurnLifecycle:
         context still queued is dropped; its stream's deadlines start again with its next frame."""
         for turn in self.turns:
             self.events.drop_turn_audio(turn.id)
-        self.turns, self.phase, self.end_of_turn_at, self.pending = [], Phase.LISTEN, None, []
+        self.turns, self.phase, self.end_of_turn_at, self.pending, self.held = [], Phase.LISTEN, None, [], []
         self.first_frame_at, self.emitted = None, 0
         return self.prompt_frames
 

@@ -31,3 +31,4 @@ $py -c "import codec, s2s" # fails loudly if the install did not take
 # stalled on the compiler answers nobody, and a test or the demo waiting on it would time out.
 $py -c "import torch; from kernels import cpu_attention; torch.cuda.is_available() or cpu_attention.available()"
 bash scripts/setup_moshi_client.sh || echo "setup: the Moshi client did not install; tests/test_moshi_client.py will skip" >&2
+bash scripts/setup_pipecat.sh || echo "setup: pipecat did not install; tests/test_pipecat.py will skip" >&2

@@ -1,7 +1,8 @@
 """ChatServer: the websocket protocols and plain HTTP (/healthz, /metrics, the web page at /) on one port.
 
 Each websocket path is a protocol on the connection core (`server/connection.py`): /api/chat is Moshi's
-(`server/moshi.py`), one conversation in the engine per connection. Bad input gets an error message or is dropped,
+(`server/moshi.py`), /v1/realtime OpenAI's Realtime API (`server/realtime/`), one conversation in the engine per
+connection. Bad input gets an error message or is dropped,
 never a crash and never an effect on another connection; a connection that goes away at any moment closes its
 conversation, which frees its pages. Who may connect is decided in one place, `refusal`, for every protocol and
 for the servers built on this one (the cascade); how many conversations one client may hold at once, by one
@@ -27,7 +28,9 @@ from websockets.http11 import Request, Response
 from s2s import Engine
 from server.connection import Endpoint, Limits, PerClient, serve_connection
 from server.moshi import MoshiEndpoint
+from server.realtime import RealtimeEndpoint
 from server.turn_gate import TurnGate
+from server.turn_metrics import TurnMetrics
 from server.vad import VadConfig
 
 
@@ -35,12 +38,13 @@ from server.vad import VadConfig
 class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 8998
-    token: str | None = None  # required as ?token= on every websocket; None: no token
+    token: str | None = None  # required on every websocket, as ?token= or `Authorization: Bearer`; None: no token
     allowed_origins: list[str] = field(default_factory=list)  # browser origins besides the server's own
     max_message_bytes: int = 1 << 20
     limits: Limits = field(default_factory=Limits)  # back-pressure on each connection, what one client may hold
     vad: VadConfig = field(default_factory=VadConfig)  # turn mode endpointing
     handshake_timeout_s: float = 10.0  # a connection whose HTTP request and upgrade take longer is cut
+    served_model_name: str | None = None  # the one `model` a Realtime client may ask for; None: any
 
     def __post_init__(self) -> None:
         if self.token == "":  # would otherwise read as "no token": authentication off, silently
@@ -50,12 +54,15 @@ class ServerOptions:
 
 
 def refusal(request: Request, options: ServerOptions) -> tuple[HTTPStatus, str] | None:
-    """Why a websocket request may not connect, or None. The token, when the server has one, is compared in
-    constant time. A browser (the only client that sends `Origin`) must come from the server's own origin or one of
-    `allowed_origins`: otherwise any page a visitor opens could hold a conversation in their name (cross-site
-    websocket hijacking). Clients without `Origin` are not browsers, and are let in."""
+    """Why a websocket request may not connect, or None. The token, when the server has one (as `?token=`, or as
+    `Authorization: Bearer`, as OpenAI's SDKs send it), is compared in constant time. A browser (the only client that
+    sends `Origin`) must come from the server's own origin or one of `allowed_origins`: otherwise any page a visitor
+    opens could hold a conversation in their name (cross-site websocket hijacking). Clients without `Origin` are not
+    browsers, and are let in."""
     if options.token is not None:
         given = urllib.parse.parse_qs(request.path.partition("?")[2]).get("token", [""])[0]
+        scheme, _, bearer = request.headers.get("Authorization", "").partition(" ")
+        given = given or (bearer.strip() if scheme.lower() == "bearer" else "")
         if not hmac.compare_digest(given.encode(), options.token.encode()):
             return HTTPStatus.UNAUTHORIZED, "a valid token is required\n"
     origin = request.headers.get("Origin")
@@ -114,8 +121,12 @@ class ChatServer:
         self.options = options or ServerOptions()
         self.gate = TurnGate(engine, self.options.vad)  # every connection's VAD turn ends pass through it
         vad = replace(self.options.vad, gate=self.gate)
-        self.endpoints: dict[str, Endpoint] = {"/api/chat": MoshiEndpoint(engine, vad)}
         self.registry = CollectorRegistry()
+        self.turns = TurnMetrics(self.registry)
+        self.endpoints: dict[str, Endpoint] = {
+            "/api/chat": MoshiEndpoint(engine, vad, self.turns),
+            "/v1/realtime": RealtimeEndpoint(engine, vad, self.options.served_model_name, self.turns),
+        }
         self.registry.register(_EngineCollector(engine))
         self.registry.register(self.gate)
         self.clients = PerClient(self.options.limits.max_conversations_per_client)

@@ -170,7 +170,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8998)
-    p.add_argument("--token", default=None, help="require ?token=... on the websocket (not empty)")
+    p.add_argument(
+        "--token", default=None, help="require ?token=... or Authorization: Bearer ... on the websocket (not empty)"
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="the model name a Realtime API client must ask for (default: any)"
+    )
     p.add_argument(
         "--allowed-origin",
         action="append",
@@ -242,7 +247,14 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         )
         origins, handshake = args.allowed_origin or [], args.handshake_timeout
         return ServerOptions(
-            args.host, args.port, args.token, origins, limits=limits, vad=vad, handshake_timeout_s=handshake
+            args.host,
+            args.port,
+            args.token,
+            origins,
+            limits=limits,
+            vad=vad,
+            handshake_timeout_s=handshake,
+            served_model_name=args.served_model_name,
         )
     except ValueError as e:
         raise SystemExit(f"bad server options: {e}") from None

@@ -2,17 +2,18 @@
 
 `serve_connection(ws, endpoint, limits)`, top to bottom:
 
-1. `endpoint.accept(query)` reads the request: the connection's `Wire` (the protocol's framing) and how to open its
-   `Session`. A bad request is told (`endpoint.error`) and closed with 1008.
+1. `endpoint.accept(query, headers)` reads the request: the connection's `Wire` (the protocol's framing) and how to
+   open its `Session`. A bad request is told (`endpoint.error`) and closed with 1008.
 2. `wire.handshake()` goes out (Moshi's handshake; a JSON-event protocol has none), then the session opens. A
    refusal (the client's limit of open conversations, `PerClient`; the engine's admission; the cascade's
    speech-to-text) is told "refused: REASON" and closed with 1013 and the reason.
 3. `wire.opened(session.info)` goes out; the receive loop reads messages until the client goes: the wire parses
    each into `Audio` or `EndTurn` (a bad one is told and dropped). Audio goes on in slices of 80 ms, each paced in
    real time: past the burst, a long message is fed over as long as it lasts, not in one tick, and no more of it
-   once the client is gone. Each slice runs through the session's VAD, if it has one, where speech over a reply is
-   a barge-in with what the client has heard (`Playback`) and silence after speech ends the turn. Messages and
-   their bytes are paced too, whether or not they parse.
+   once the client is gone. Each slice runs through the session's VAD, if it has one (its settings may change
+   between messages), where speech over a reply is a barge-in with what the client has heard (`Playback`) and
+   silence after speech ends the turn. A protocol's own requests (`Request`: the Realtime API's events) go to the
+   session. Messages and their bytes are paced too, whether or not they parse.
    A client that sends no audio for `Limits.idle_timeout_s` (counted from open; a reply still playing to it is
    not idle) is told "idle: ..." and closed with 1008.
 4. However the socket ended, the session closes.
@@ -34,6 +35,7 @@ from typing import Protocol
 
 import numpy as np
 from websockets.asyncio.server import ServerConnection
+from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
@@ -56,6 +58,14 @@ class EndTurn:
 
 
 @dataclass
+class Request:
+    """A protocol's own request, for its session (`Session.request`): a Realtime API client event."""
+
+    type: str
+    event: dict
+
+
+@dataclass
 class Stream:
     """The client starts, pauses or restarts the conversation's stream (Moshi's controls 0, 2 and 3)."""
 
@@ -63,33 +73,44 @@ class Stream:
 
 
 class Wire(Protocol):
-    """One connection's framing: Moshi's kind bytes (`server/moshi.py`), or JSON events."""
+    """One connection's framing: Moshi's kind bytes (`server/moshi.py`), or the Realtime API's JSON events."""
+
+    audio_bytes_per_s: float  # what real-time audio costs on this wire (pcm16, base64 pcm16): pacing's byte bound
+    framing_bytes: int  # a message's bytes besides its audio, at most, for an honest client
 
     def handshake(self) -> Message | None: ...
 
     def opened(self, info: dict) -> Message: ...
 
-    def parse(self, message: Message) -> Audio | EndTurn | Stream | None:
+    def parse(self, message: Message) -> Audio | EndTurn | Stream | Request | None:
         """What a client message asks for; None for one to ignore. Raises `ProtocolError` (told to the client)."""
 
     def audio(self, pcm: np.ndarray) -> list[Message]: ...
 
     def event(self, data: dict) -> Message: ...
 
-    def error(self, text: str) -> Message: ...
+    def error(self, text: str, code: str = "invalid_request") -> Message: ...
 
 
 class Session(Protocol):
     """What answers a connection: a conversation in the engine (`server/session.py`), or the cascade's pipeline."""
 
     info: dict  # told to the client once open (`Wire.opened`)
-    vad: VadConfig | None  # endpointing on its audio (turn mode), or None
+    vad: VadConfig | None  # endpointing on its audio (turn mode), or None; read before each slice of audio
 
-    async def barge_in(self, played_frames: int) -> None: ...
+    async def barge_in(self, played_frames: int) -> None:
+        """The VAD heard speech start: a barge-in where a reply plays (what the client heard of it stays)."""
 
     def audio(self, pcm: np.ndarray) -> None: ...
 
-    async def end_turn(self) -> None: ...
+    async def end_turn(self) -> None:
+        """The user is done: the VAD ended a turn worth a reply, or the client said so (`EndTurn`)."""
+
+    async def speech_ended(self) -> None:
+        """The VAD heard speech end that is no turn (short, unsure, or dropped by the `TurnGate`)."""
+
+    async def request(self, request: Request) -> None:
+        """A protocol's own request (only sessions whose wire makes them); raises `ProtocolError` (told)."""
 
     async def stream(self, action: str) -> None:
         """`Stream`'s action; raises `ProtocolError` where it is not supported."""
@@ -105,8 +126,8 @@ class Endpoint(Protocol):
 
     def error(self, text: str) -> Message: ...
 
-    def accept(self, query: dict[str, str]) -> tuple[Wire, Opener]:
-        """The request's wire and session, from its query parameters. Raises `ProtocolError` on a bad one."""
+    def accept(self, query: dict[str, str], headers: Headers) -> tuple[Wire, Opener]:
+        """The request's wire and session, from its query parameters and headers. Raises `ProtocolError`."""
 
 
 @dataclass
@@ -174,18 +195,18 @@ class Connection:
     async def send_event(self, data: dict) -> None:
         await self.ws.send(self.wire.event(data))
 
-    async def send_error(self, text: str) -> None:
-        await self.ws.send(self.wire.error(text))
+    async def send_error(self, text: str, code: str = "invalid_request") -> None:
+        await self.ws.send(self.wire.error(text, code))
 
     async def close(self, code: int, reason: str) -> None:
         await self.ws.close(code, reason.encode()[:123].decode(errors="ignore"))  # a close frame holds 123 bytes
 
-    async def drop(self, reason: str) -> None:
+    async def drop(self, reason: str, code: str) -> None:
         """Tell the client why, and close with 1008. A client that reads nothing takes neither the error nor the
         close frame (each waits for room on its socket): after the close timeout, its connection is cut."""
         with contextlib.suppress(TimeoutError, ConnectionClosed):
             async with asyncio.timeout(self.ws.close_timeout):
-                await self.send_error(reason)
+                await self.send_error(reason, code)
                 await self.close(1008, reason)
         self.ws.transport.abort()
 
@@ -226,7 +247,7 @@ class Pace:
         if ahead > 0:
             if not self.warned:
                 self.warned = True
-                await conn.send_error(self.warning)
+                await conn.send_error(self.warning, "throttled")
             with contextlib.suppress(TimeoutError):  # a client that goes meanwhile ends its wait
                 await asyncio.wait_for(conn.ws.wait_closed(), ahead)
 
@@ -234,7 +255,7 @@ class Pace:
 async def serve_connection(ws: ServerConnection, endpoint: Endpoint, limits: Limits, clients: PerClient) -> None:
     query = {k: v[0] for k, v in urllib.parse.parse_qs(urllib.parse.urlsplit(ws.request.path).query).items()}
     try:
-        wire, open_session = endpoint.accept(query)
+        wire, open_session = endpoint.accept(query, ws.request.headers)
     except ProtocolError as e:
         await ws.send(endpoint.error(str(e)))
         await ws.close(1008, "bad request")
@@ -247,7 +268,7 @@ async def serve_connection(ws: ServerConnection, endpoint: Endpoint, limits: Lim
             held.enter_context(clients.conversation(ws))
             session = await open_session(conn)
         except Refused as e:
-            await conn.send_error(f"refused: {e}")
+            await conn.send_error(f"refused: {e}", "refused")
             await conn.close(1013, str(e))  # try again later, and why
             return
         idle = asyncio.create_task(_close_when_idle(conn, limits.idle_timeout_s))
@@ -266,14 +287,14 @@ async def _close_when_idle(conn: Connection, timeout_s: float) -> None:
     conversation nobody uses holds a slot another client could have."""
     while (left := conn.idle_since() + timeout_s - time.monotonic()) > 0:
         await asyncio.sleep(left)
-    await conn.drop(f"idle: no audio for {timeout_s:g} s")
+    await conn.drop(f"idle: no audio for {timeout_s:g} s", "idle")
 
 
 async def _receive(conn: Connection, session: Session, limits: Limits) -> None:
     audio_pace = Pace(1.0, limits.realtime_burst_s, "sending faster than real time: throttled")
     rate = limits.max_messages_per_s
     message_pace = Pace(rate, rate, f"sending more than {rate:g} messages a second: throttled")
-    byte_rate = 2 * SAMPLE_RATE + rate  # the most an honest client sends: pcm16, and a byte of framing a message
+    byte_rate = conn.wire.audio_bytes_per_s + rate * conn.wire.framing_bytes  # the most an honest client sends
     byte_warning = f"sending more than {byte_rate:g} bytes a second: throttled"
     byte_pace = Pace(byte_rate, byte_rate * limits.realtime_burst_s, byte_warning)
     vad: Endpointer | None = None  # made on the first audio: loading the model costs CPU the engine needs
@@ -282,29 +303,29 @@ async def _receive(conn: Connection, session: Session, limits: Limits) -> None:
         try:
             item = conn.wire.parse(message)
         except StreamError as e:
-            await conn.send_error(str(e))
+            await conn.send_error(str(e), e.code)
             await conn.close(1008, str(e))
             return
         except ProtocolError as e:
-            await conn.send_error(str(e))
+            await conn.send_error(str(e), e.code)
             item = None
         if isinstance(item, Audio):  # only audio keeps a connection from being idle
             conn.heard(item.pcm)
         if isinstance(item, EndTurn):
             await session.end_turn()
-        elif isinstance(item, Stream):
+        elif isinstance(item, Stream | Request):
             try:
-                await session.stream(item.action)
+                await (session.stream(item.action) if isinstance(item, Stream) else session.request(item))
             except ProtocolError as e:
-                await conn.send_error(str(e))
+                await conn.send_error(str(e), e.code)
         elif isinstance(item, Audio):
             for a in range(0, len(item.pcm), BLOCK):
                 pcm = item.pcm[a : a + BLOCK]
                 await audio_pace.take(len(pcm) / SAMPLE_RATE, conn)
                 if a and conn.ws.state is not State.OPEN:  # the client went while its message waited: the rest goes
                     return
-                if session.vad is not None and vad is None:
-                    vad = await asyncio.to_thread(Endpointer, session.vad)
+                if (vad.cfg if vad else None) is not session.vad:  # the first audio, or new settings
+                    vad = await asyncio.to_thread(Endpointer, session.vad) if session.vad is not None else None
                 heard = await asyncio.to_thread(vad.push, pcm) if vad is not None else []
                 if "speech_start" in heard:  # a barge-in if a reply is playing (a no-op otherwise), before this audio
                     await session.barge_in(conn.playback.played_frames())
@@ -313,5 +334,7 @@ async def _receive(conn: Connection, session: Session, limits: Limits) -> None:
                 session.audio(pcm)
                 if "end_of_turn" in heard:  # a turn worth a reply now (`Endpointer`, the server's `TurnGate`)
                     await session.end_turn()
+                elif "speech_end" in heard:
+                    await session.speech_ended()
         # Taken last, so the slices' real-time pace comes first: audio then finds its bytes within bounds.
         await byte_pace.take(len(message), conn)

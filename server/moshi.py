@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import sphn
+from websockets.datastructures import Headers
 
 from codec.tokenizer import SAMPLE_RATE
 from s2s import Engine, SamplingParams
@@ -13,12 +14,15 @@ from server import protocol
 from server.connection import Audio, Connection, EndTurn, Opener, Stream
 from server.protocol import BLOCK, Control, Kind, ProtocolError, StreamError
 from server.session import EngineSession
+from server.turn_metrics import TurnMetrics
 from server.vad import VadConfig
 
 STREAM_CONTROLS = {Control.START: "start", Control.PAUSE: "pause", Control.RESTART: "restart"}
 
 
 class MoshiWire:
+    audio_bytes_per_s = 2 * SAMPLE_RATE  # pcm16 (Opus is less)
+    framing_bytes = 1  # the kind byte
     # Bytes the Opus reader may take without giving audio before it is reset. A real client's page is ~300 bytes
     # (80 ms); the largest Ogg page is 65,307. sphn keeps what it cannot use: a packet that never ends, and every
     # byte after a parse error.
@@ -63,7 +67,7 @@ class MoshiWire:
     def event(self, data: dict) -> bytes:
         return protocol.metadata(data)
 
-    def error(self, text: str) -> bytes:
+    def error(self, text: str, code: str = "invalid_request") -> bytes:
         return protocol.error(text)
 
     def _decode(self, payload: bytes) -> np.ndarray:
@@ -95,13 +99,13 @@ class MoshiWire:
 class MoshiEndpoint:
     """Query parameters: `mode=duplex|turn`, `codec=opus|pcm16`, `voice=NAME`, and sampling (`sampling_of`)."""
 
-    def __init__(self, engine: Engine, vad: VadConfig):
-        self.engine, self.vad = engine, vad
+    def __init__(self, engine: Engine, vad: VadConfig, metrics: TurnMetrics):
+        self.engine, self.vad, self.metrics = engine, vad, metrics
 
     def error(self, text: str) -> bytes:
         return protocol.error(text)
 
-    def accept(self, query: dict[str, str]) -> tuple[MoshiWire, Opener]:
+    def accept(self, query: dict[str, str], headers: Headers) -> tuple[MoshiWire, Opener]:
         mode = query.get("mode", "duplex")
         if mode not in ("duplex", "turn"):
             raise ProtocolError(f"mode must be duplex or turn, got {mode!r}")
@@ -111,8 +115,10 @@ class MoshiEndpoint:
             raise ProtocolError(f"unknown voice {voice!r}; voices are plain names: {sorted(self.engine.voices)}")
         sampling = sampling_of(query, self.engine.model.config.codebook_size)
 
-        def open_session(conn: Connection):
-            return EngineSession.open(self.engine, conn, mode, voice, sampling, self.vad)
+        async def open_session(conn: Connection) -> EngineSession:
+            session = await EngineSession.open(self.engine, conn, mode, voice, sampling, self.vad, self.metrics)
+            self.metrics.opened("moshi")
+            return session
 
         return wire, open_session
 

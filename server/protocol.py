@@ -29,7 +29,12 @@ class Control(enum.IntEnum):
 
 
 class ProtocolError(ValueError):
-    """A message that breaks the protocol; the text is what the client is told."""
+    """A message that breaks the protocol; the text is what the client is told, `code` its kind (for protocols whose
+    errors carry one: the Realtime API's)."""
+
+    def __init__(self, message: str, code: str = "invalid_request"):
+        super().__init__(message)
+        self.code = code
 
 
 class StreamError(ProtocolError):

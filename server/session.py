@@ -14,6 +14,7 @@ from websockets.exceptions import ConnectionClosed
 
 from s2s import AudioEvent, Engine, MetaEvent, SamplingParams
 from server.connection import Connection
+from server.turn_metrics import TurnMetrics
 from server.vad import VadConfig
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ async def events(q: EventQueue, conn: Connection) -> AsyncIterator[AudioEvent | 
             loop.call_soon_threadsafe(fn)
 
     def drop() -> None:
-        task = asyncio.create_task(conn.drop(SLOW))
+        task = asyncio.create_task(conn.drop(SLOW, "slow_reader"))
         _dropping.add(task)
         task.add_done_callback(_dropping.discard)
 
@@ -57,8 +58,8 @@ async def events(q: EventQueue, conn: Connection) -> AsyncIterator[AudioEvent | 
 class EngineSession:
     """A conversation in the engine: the client's audio and turn ends in, its events out to the client."""
 
-    def __init__(self, engine: Engine, cid: str, mode: str, vad: VadConfig, conn: Connection):
-        self.engine, self.cid, self.mode = engine, cid, mode
+    def __init__(self, engine: Engine, cid: str, mode: str, vad: VadConfig, conn: Connection, metrics: TurnMetrics):
+        self.engine, self.cid, self.mode, self.metrics = engine, cid, mode, metrics
         self.info = {"session": cid, "mode": mode}
         self.vad = vad if mode == "turn" else None
         self._sender = asyncio.create_task(self._send(conn))
@@ -72,11 +73,12 @@ class EngineSession:
         voice: str | None,
         sampling: SamplingParams,
         vad: VadConfig,
+        metrics: TurnMetrics,
     ) -> EngineSession:
         """Open the conversation (or raise `Refused`) and start sending its events. Engine calls never wait for a
         tick: they are made on the event loop."""
         cid = engine.open(mode, prompt=voice, sampling=sampling)
-        return cls(engine, cid, mode, vad, conn)
+        return cls(engine, cid, mode, vad, conn, metrics)
 
     async def barge_in(self, played_frames: int) -> None:
         self.engine.interrupt(self.cid, played_frames)
@@ -87,6 +89,9 @@ class EngineSession:
     async def end_turn(self) -> None:
         if self.mode == "turn":  # a duplex stream has no turns to end
             self.engine.end_turn(self.cid)
+
+    async def speech_ended(self) -> None:
+        pass  # its audio is context: nothing to answer
 
     async def stream(self, action: str) -> None:
         {"start": self.engine.unpause, "pause": self.engine.pause, "restart": self.engine.restart}[action](self.cid)
@@ -101,6 +106,8 @@ class EngineSession:
                 if isinstance(event, AudioEvent):
                     await conn.send_audio(event.pcm, event.turn)
                 elif isinstance(event, MetaEvent):
+                    if event.data.get("event") == "reply_done":
+                        self.metrics.observe("moshi", event.data["times"])
                     await conn.send_event({"session": event.session, "turn": event.turn, **event.data})
             except ConnectionClosed:
                 continue  # keep draining until the conversation is closed

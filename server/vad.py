@@ -101,7 +101,8 @@ class _Tally:
 class Endpointer:
     """One per connection (the model keeps state). `push(pcm24k)` returns the events it saw, in order:
     "speech_start" (a barge-in), "take_back" (speech resumed right after an end of turn: that reply is to be
-    cancelled unheard) and "end_of_turn" (a turn worth a reply now). `turn` scores the last stretch that ended."""
+    cancelled unheard), "end_of_turn" (a turn worth a reply now) and "speech_end" (a stretch that is no turn, or
+    one the gate dropped). `turn` scores the last stretch that ended."""
 
     def __init__(self, config: VadConfig | None = None):
         from silero_vad import load_silero_vad  # ships its model: works offline
@@ -161,10 +162,10 @@ class Endpointer:
         if (problem := self.turn.problem(self.cfg)) is not None:
             if self.gate is not None:
                 self.gate.drop(problem)
-            return []
+            return ["speech_end"]
         self.since_end = 0
         self.sent = self.gate is None or self.gate.admit(self.turn)
-        return ["end_of_turn"] if self.sent else []
+        return ["end_of_turn"] if self.sent else ["speech_end"]
 
     def _resume(self) -> list[str]:
         """Speech started soon after a turn ended: as loud as that turn, it is its talker going on (the turn

@@ -65,6 +65,9 @@ class Recorder:
     async def end_turn(self) -> None:
         self.calls.append("end_turn")
 
+    async def speech_ended(self) -> None:
+        self.calls.append("speech_ended")
+
     async def close(self) -> None:
         self.calls.append("close")
 
@@ -78,7 +81,7 @@ class StandIn:
     def error(self, text: str) -> bytes:
         return protocol.error(text)
 
-    def accept(self, query: dict[str, str]):
+    def accept(self, query: dict[str, str], headers):
         if "bad" in query:
             raise ProtocolError("bad is not a parameter")
 

@@ -33,6 +33,7 @@ import time
 from collections.abc import AsyncIterator
 
 import numpy as np
+from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 
 from bench.cascade.stt import AtCapacity, SttStream, SttWorkers, default_workers
@@ -93,7 +94,7 @@ class CascadeEndpoint:
     def error(self, text: str) -> bytes:
         return protocol.error(text)
 
-    def accept(self, query: dict[str, str]) -> tuple[MoshiWire, Opener]:
+    def accept(self, query: dict[str, str], headers: Headers) -> tuple[MoshiWire, Opener]:
         if query.get("mode", "turn") != "turn":
             raise ProtocolError("the cascade has turn mode only (mode=turn)")
         wire = MoshiWire(query.get("codec", "opus"))
@@ -171,6 +172,9 @@ class CascadeSession:
         endpoint = time.perf_counter()
         if self.reply is None or self.reply.done():
             self.reply = asyncio.create_task(self._reply_or_error(endpoint))
+
+    async def speech_ended(self) -> None:
+        pass  # no turn: nothing to answer
 
     async def stream(self, action: str) -> None:
         raise ProtocolError(f"the cascade cannot {action} its stream")

@@ -1,0 +1,38 @@
+"""RealtimeEndpoint: /v1/realtime. Query `model=` (any, or the server's `--served-model-name`); the header
+`OpenAI-Beta: realtime=v1` picks the beta's event names. Authentication is `refusal`'s (`server/app.py`), before
+the upgrade: `Authorization: Bearer TOKEN`, as the SDKs send it."""
+
+from __future__ import annotations
+
+from websockets.datastructures import Headers
+
+from s2s import Engine
+from server.connection import Connection, Opener
+from server.protocol import ProtocolError
+from server.realtime.session import RealtimeSession
+from server.realtime.wire import RealtimeWire
+from server.turn_metrics import TurnMetrics
+from server.vad import VadConfig
+
+DEFAULT_MODEL = "s2s"  # the model name shown when the client names none
+
+
+class RealtimeEndpoint:
+    def __init__(self, engine: Engine, vad: VadConfig, served_model_name: str | None, metrics: TurnMetrics):
+        self.engine, self.vad, self.served_model_name, self.metrics = engine, vad, served_model_name, metrics
+
+    def error(self, text: str) -> str:
+        return RealtimeWire(beta=False).error(text)
+
+    def accept(self, query: dict[str, str], headers: Headers) -> tuple[RealtimeWire, Opener]:
+        model = query.get("model", self.served_model_name or DEFAULT_MODEL)
+        if self.served_model_name is not None and model != self.served_model_name:
+            raise ProtocolError(f"unknown model {model!r}: this server serves {self.served_model_name!r}")
+        wire = RealtimeWire(beta="realtime=v1" in headers.get("OpenAI-Beta", ""))
+
+        async def open_session(conn: Connection) -> RealtimeSession:
+            session = await RealtimeSession.open(self.engine, conn, self.vad, model, self.metrics)
+            self.metrics.opened("realtime")
+            return session
+
+        return wire, open_session

@@ -1,0 +1,371 @@
+"""RealtimeSession: the Realtime API's conversation (items and responses) over a turn-mode conversation in the engine.
+
+The user's audio streams into the engine as it is appended, so its prefill is done by the end of the turn. A commit
+(the server VAD's end of turn, or the client's) closes the engine's turn (`Engine.commit`), whose `committed` event
+names the engine turn behind the user item; a response is the engine's reply to the last committed turn
+(`Engine.end_turn`), its audio sent as deltas while it is made. Cancelling a response, truncating an assistant item
+and deleting an item edit the engine's context (`Engine.interrupt`, `Engine.remove`): it keeps what the user heard.
+
+Known differences from OpenAI's server, each told to the client where it applies: there is no text (no transcripts,
+no instructions, no tools); a response needs new user audio (or a voice prompt, before the first); audio appended
+while a response plays is heard after it (the engine holds it: the model's turn has a silent user);
+`conversation.item.create` and `.retrieve` are not supported."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+from websockets.exceptions import ConnectionClosed
+
+from codec.tokenizer import FRAME_SIZE, SAMPLE_RATE
+from s2s import AudioEvent, Engine, MetaEvent, Refused
+from server.connection import Connection, Request
+from server.protocol import ProtocolError
+from server.realtime.config import SessionConfig
+from server.realtime.wire import RealtimeWire
+from server.session import events
+from server.turn_metrics import TurnMetrics
+from server.vad import VadConfig
+
+MIN_COMMIT_MS = 100  # OpenAI's: a commit of less is an error
+RESPONSE_FIELDS = {"metadata", "output_modalities", "modalities", "instructions", "conversation", "voice"}
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+
+
+def _ms(samples: int) -> int:
+    return samples * 1000 // SAMPLE_RATE
+
+
+@dataclass
+class Item:
+    id: str
+    role: str  # "user" or "assistant"
+    samples: int = 0  # its audio: appended (user), sent (assistant)
+    turn: int | None = None  # the engine's turn it is in (a user item's comes with its `committed` event)
+    status: str = "completed"
+
+    def view(self) -> dict:
+        content = "input_audio" if self.role == "user" else "output_audio"
+        return {
+            "id": self.id,
+            "object": "realtime.item",
+            "type": "message",
+            "role": self.role,
+            "status": self.status,
+            "content": [{"type": content, "transcript": None}],
+        }
+
+
+@dataclass
+class Response:
+    id: str
+    item: Item
+    metadata: dict | None
+    times: dict | None = None  # the engine's stage times, once it is done
+
+
+class RealtimeSession:
+    def __init__(
+        self,
+        engine: Engine,
+        conn: Connection,
+        cid: str,
+        config: SessionConfig,
+        base_vad: VadConfig,
+        model: str,
+        metrics: TurnMetrics,
+    ):
+        self.engine, self.conn, self.cid, self.model, self.metrics = engine, conn, cid, model, metrics
+        self.wire: RealtimeWire = conn.wire
+        self.base_vad, self.id = base_vad, _id("sess")
+        self.items: dict[str, Item] = {}  # the conversation, in order
+        self.awaiting: collections.deque[Item] = collections.deque()  # committed user items whose turn is unknown
+        self.buffer_id, self.buffer_samples, self.received = _id("item"), 0, 0
+        self.response: Response | None = None
+        self.unanswered = config.voice is not None  # what a response would answer: committed audio, or a prompt
+        self.finished_turn = -1  # the last engine turn a finished response had: audio of it or before is stale
+        self._apply(config)
+        self._sender = asyncio.create_task(self._send())
+
+    @classmethod
+    async def open(
+        cls, engine: Engine, conn: Connection, base_vad: VadConfig, model: str, metrics: TurnMetrics
+    ) -> RealtimeSession:
+        """Raises `Refused` when the engine cannot admit it."""
+        config = SessionConfig()
+        return cls(engine, conn, engine.open("turn", sampling=config.sampling), config, base_vad, model, metrics)
+
+    def _apply(self, config: SessionConfig) -> None:
+        self.config = config
+        td = config.turn_detection
+        self.vad = td.vad(self.base_vad) if td else None  # a new object: the core makes a new endpointer
+        self.info = config.view(self.wire.beta, self.id, self.model)
+
+    # ---- the core's calls --------------------------------------------------------------------------------------
+
+    def audio(self, pcm: np.ndarray) -> None:
+        self.engine.push_audio(self.cid, pcm)
+        self.buffer_samples += len(pcm)
+        self.received += len(pcm)
+
+    async def barge_in(self, played_frames: int) -> None:
+        td = self.config.turn_detection
+        start = max(0, _ms(self.received) - td.prefix_padding_ms)
+        await self._event("input_audio_buffer.speech_started", audio_start_ms=start, item_id=self.buffer_id)
+        if td.interrupt_response:
+            await self._interrupt(played_frames, "turn_detected")
+
+    async def end_turn(self) -> None:
+        await self.speech_ended()
+        await self._commit()
+        if self.config.turn_detection.create_response and self.response is None:
+            await self._respond({})
+
+    async def speech_ended(self) -> None:
+        end = max(0, _ms(self.received) - self.config.turn_detection.silence_duration_ms)
+        await self._event("input_audio_buffer.speech_stopped", audio_end_ms=end, item_id=self.buffer_id)
+
+    async def stream(self, action: str) -> None:
+        raise ProtocolError(f"the Realtime API has no {action} control", "unsupported_event")
+
+    async def request(self, request: Request) -> None:
+        handler = {
+            "session.update": self._session_update,
+            "input_audio_buffer.commit": lambda e: self._commit(explicit=True),
+            "input_audio_buffer.clear": self._clear,
+            "conversation.item.truncate": self._truncate,
+            "conversation.item.delete": self._delete,
+            "response.create": lambda e: self._respond(e.get("response") or {}),
+            "response.cancel": self._cancel,
+            "output_audio_buffer.clear": self._clear_output,
+        }.get(request.type)
+        if handler is None:
+            raise ProtocolError(
+                f"{request.type} is not supported: this model hears and speaks audio only", "unsupported_event"
+            )
+        await handler(request.event)
+
+    async def close(self) -> None:
+        self.engine.close(self.cid)
+        await asyncio.wait_for(self._sender, 5)
+
+    # ---- client events -------------------------------------------------------------------------------------------
+
+    async def _session_update(self, event: dict) -> None:
+        vocab = self.engine.model.config.codebook_size
+        config = self.config.update(event.get("session"), self.wire.beta, list(self.engine.voices), vocab)
+        if config.voice != self.config.voice:
+            await self._reopen(config)
+        elif config.sampling != self.config.sampling:
+            self.engine.set_sampling(self.cid, config.sampling)
+        self._apply(config)
+        await self._event("session.updated", session=self.info)
+
+    async def _reopen(self, config: SessionConfig) -> None:
+        """A new voice: a new conversation in the engine, while there is nothing in the old one to lose."""
+        if self.received or self.items or self.response:
+            raise ProtocolError("the voice cannot change once the conversation has audio", "invalid_session")
+        try:
+            cid = self.engine.open("turn", prompt=config.voice, sampling=config.sampling)
+        except Refused as e:
+            raise ProtocolError(f"refused: {e}", "refused") from e
+        self.engine.close(self.cid)
+        await asyncio.wait_for(self._sender, 5)
+        self.cid, self.unanswered = cid, config.voice is not None
+        self._sender = asyncio.create_task(self._send())
+
+    async def _commit(self, explicit: bool = False) -> None:
+        if explicit and _ms(self.buffer_samples) < MIN_COMMIT_MS:
+            raise ProtocolError(
+                f"buffer too small: {_ms(self.buffer_samples)} ms of audio, at least {MIN_COMMIT_MS} ms is needed",
+                "input_audio_buffer_commit_empty",
+            )
+        if not self.buffer_samples:
+            return
+        previous = next(reversed(self.items), None)
+        item = Item(self.buffer_id, "user", self.buffer_samples)
+        self.items[item.id] = item
+        self.awaiting.append(item)
+        self.buffer_id, self.buffer_samples, self.unanswered = _id("item"), 0, True
+        self.engine.commit(self.cid)  # (while a reply plays, the engine closes the turn once the reply is over)
+        await self._event("input_audio_buffer.committed", previous_item_id=previous, item_id=item.id)
+        await self._event("conversation.item.added", previous_item_id=previous, item=item.view())
+        await self._event("conversation.item.done", previous_item_id=previous, item=item.view())
+
+    async def _clear(self, event: dict) -> None:
+        self.engine.clear_input(self.cid)
+        self.buffer_id, self.buffer_samples = _id("item"), 0
+        await self._event("input_audio_buffer.cleared")
+
+    async def _respond(self, params: dict) -> None:
+        if not isinstance(params, dict):
+            raise ProtocolError("response: must be an object", "invalid_response")
+        if unknown := set(params) - RESPONSE_FIELDS:
+            raise ProtocolError(f"response: unknown or unsupported fields {sorted(unknown)}", "invalid_response")
+        for key, ok in (("output_modalities", ["audio"]), ("modalities", ["audio", "text"]), ("conversation", "auto")):
+            if key in params and params[key] not in (ok, None, ["audio"]):
+                raise ProtocolError(f"response.{key}: {params[key]!r} is not supported", "invalid_response")
+        if params.get("instructions") or params.get("voice"):
+            raise ProtocolError("response: instructions and voice are not supported per response", "invalid_response")
+        if self.response is not None:
+            raise ProtocolError(
+                "a response is in progress: wait for response.done or send response.cancel",
+                "conversation_already_has_active_response",
+            )
+        await self._commit()
+        if not self.unanswered:
+            raise ProtocolError("nothing new to respond to: append audio first", "no_input")
+        item = Item(_id("item"), "assistant", status="in_progress")
+        previous = next(reversed(self.items), None)
+        self.items[item.id] = item
+        self.response = resp = Response(_id("resp"), item, params.get("metadata"))
+        self.unanswered = False
+        self.wire.reply = {"response_id": resp.id, "item_id": item.id, "output_index": 0, "content_index": 0}
+        self.engine.end_turn(self.cid)
+        await self._event("response.created", response=self._response_view(resp, "in_progress"))
+        await self._event("response.output_item.added", response_id=resp.id, output_index=0, item=item.view())
+        await self._event("conversation.item.added", previous_item_id=previous, item=item.view())
+        await self._event("response.content_part.added", **self.wire.reply, part={"type": "audio", "transcript": ""})
+
+    async def _cancel(self, event: dict) -> None:
+        resp = self.response
+        if resp is None or event.get("response_id") not in (None, resp.id):
+            raise ProtocolError("there is no response in progress to cancel", "response_cancel_not_active")
+        await self._interrupt(resp.item.samples // FRAME_SIZE, "client_cancelled")  # what was sent stays
+
+    async def _clear_output(self, event: dict) -> None:
+        """A barge-in the client tells: what it has played of the last reply stays, the rest goes."""
+        await self._interrupt(self.conn.playback.played_frames(), "client_cancelled")
+        await self._event("output_audio_buffer.cleared")
+
+    async def _truncate(self, event: dict) -> None:
+        item, end = self._item(event), event.get("audio_end_ms")
+        if item.role != "assistant":
+            raise ProtocolError("only assistant items can be truncated", "invalid_value")
+        if event.get("content_index", 0) != 0:
+            raise ProtocolError("content_index must be 0: an item holds one audio part", "invalid_value")
+        if not isinstance(end, int) or isinstance(end, bool) or end < 0:
+            raise ProtocolError(f"audio_end_ms must be a whole number of ms >= 0, got {end!r}", "invalid_value")
+        if end > _ms(item.samples):
+            raise ProtocolError(
+                f"audio_end_ms {end} is past the item's audio ({_ms(item.samples)} ms)", "invalid_value"
+            )
+        frames = end * SAMPLE_RATE // 1000 // FRAME_SIZE
+        if self.response is not None and self.response.item is item:
+            await self._finish_cut(frames, "client_cancelled")
+        elif item.turn is not None:
+            self.engine.remove(self.cid, item.turn, "reply", frames)
+        item.samples = end * SAMPLE_RATE // 1000
+        await self._event("conversation.item.truncated", item_id=item.id, content_index=0, audio_end_ms=end)
+
+    async def _delete(self, event: dict) -> None:
+        item = self._item(event)
+        if self.response is not None and self.response.item is item:
+            raise ProtocolError("that item's response is in progress: cancel it first", "invalid_value")
+        if item in self.awaiting:
+            raise ProtocolError("that item is still being committed: try again", "item_busy")
+        if item.turn is not None:
+            self.engine.remove(self.cid, item.turn, "user" if item.role == "user" else "reply")
+        del self.items[item.id]
+        await self._event("conversation.item.deleted", item_id=item.id)
+
+    def _item(self, event: dict) -> Item:
+        item = self.items.get(event.get("item_id"))
+        if item is None:
+            raise ProtocolError(f"no item {event.get('item_id')!r} in the conversation", "item_not_found")
+        return item
+
+    # ---- responses -------------------------------------------------------------------------------------------
+
+    async def _interrupt(self, played_frames: int, reason: str) -> None:
+        """The response in progress is cut after `played_frames` frames; with none, the last reply while it may still
+        be playing."""
+        if self.response is not None:
+            return await self._finish_cut(played_frames, reason)
+        last = next((i for i in reversed(self.items.values()) if i.role == "assistant"), None)
+        playing = self.conn.playback.until > time.monotonic() and self.conn.playback.turn == getattr(last, "turn", None)
+        if last is not None and last.turn is not None and playing and played_frames * FRAME_SIZE < last.samples:
+            self.engine.remove(self.cid, last.turn, "reply", played_frames)
+            last.samples = played_frames * FRAME_SIZE
+            await self._event(
+                "conversation.item.truncated", item_id=last.id, content_index=0, audio_end_ms=_ms(last.samples)
+            )
+
+    async def _finish_cut(self, frames: int, reason: str) -> None:
+        """The response ends after `frames` frames: cut while it plays, or edited out if it is already made."""
+        turn = self.response.item.turn
+        if turn is None:  # no audio yet (the reply may not have started: `interrupt` stops it starting)
+            self.engine.interrupt(self.cid, frames)
+        else:
+            self.engine.remove(self.cid, turn, "reply", frames)
+        self.response.item.samples = min(self.response.item.samples, frames * FRAME_SIZE)
+        await self._finish("cancelled", reason)
+
+    async def _finish(self, status: str, reason: str | None = None) -> None:
+        resp, self.response, self.wire.reply = self.response, None, None
+        ids = {"response_id": resp.id, "item_id": resp.item.id, "output_index": 0, "content_index": 0}
+        resp.item.status = "completed" if status == "completed" else "incomplete"
+        if resp.item.turn is not None:
+            self.finished_turn = max(self.finished_turn, resp.item.turn)
+        await self._event("response.output_audio.done", **ids)
+        await self._event("response.content_part.done", **ids, part={"type": "audio", "transcript": ""})
+        await self._event("response.output_item.done", response_id=resp.id, output_index=0, item=resp.item.view())
+        await self._event("conversation.item.done", item=resp.item.view())
+        await self._event("response.done", response=self._response_view(resp, status, reason))
+        if resp.times:
+            self.metrics.observe("realtime", resp.times)
+
+    def _response_view(self, resp: Response, status: str, reason: str | None = None) -> dict:
+        done = status != "in_progress"
+        return {
+            "id": resp.id,
+            "object": "realtime.response",
+            "status": status,
+            "status_details": {"type": status, "reason": reason} if done else None,
+            "output": [resp.item.view()] if done else [],
+            "metadata": resp.metadata,
+            "output_modalities": ["audio"],
+            "usage": None,
+        }
+
+    # ---- engine events -----------------------------------------------------------------------------------------
+
+    async def _send(self) -> None:
+        async for event in events(self.engine.event_queue(self.cid), self.conn):
+            try:
+                if isinstance(event, AudioEvent):
+                    await self._reply_audio(event)
+                elif isinstance(event, MetaEvent):
+                    await self._engine_event(event.data)
+            except ConnectionClosed:
+                continue  # keep draining until the conversation is closed
+
+    async def _reply_audio(self, event: AudioEvent) -> None:
+        resp = self.response
+        if resp is None or event.turn <= self.finished_turn or resp.item.turn not in (None, event.turn):
+            return  # a cancelled reply's, still on its way
+        resp.item.turn = event.turn
+        resp.item.samples += len(event.pcm)
+        await self.conn.send_audio(event.pcm, event.turn)
+
+    async def _engine_event(self, data: dict) -> None:
+        kind = data.get("event")
+        if kind == "committed" and self.awaiting:  # one for each commit, in order (its turn None: nothing closed)
+            self.awaiting.popleft().turn = data["turn"]
+        elif kind == "reply_done" and self.response is not None and self.response.item.turn in (None, data["turn"]):
+            self.response.item.turn, self.response.times = data["turn"], data["times"]
+            full = data["frames"] >= self.engine.cfg.max_reply_frames
+            await self._finish("incomplete" if full else "completed", "max_output_tokens" if full else None)
+        elif kind == "error":
+            await self.conn.send_error(data["message"], "engine_error")
+
+    async def _event(self, kind: str, **fields) -> None:
+        await self.conn.send_event({"type": kind, **fields})
