@@ -224,16 +224,15 @@ async def one_realtime_turn(url: str, clip: Clip, silence_ms: float, timeout_s: 
     done = asyncio.Event()
     async with connect(f"{url}/v1/realtime?model=s2s", max_size=None) as ws:
         vad = {"type": "server_vad", "silence_duration_ms": int(silence_ms)}
-        await ws.send(
-            json.dumps({"type": "session.update", "session": {"audio": {"input": {"turn_detection": vad}}, "seed": 1}})
-        )
+        update = {"type": "session.update", "session": {"audio": {"input": {"turn_detection": vad}}, "seed": 1}}
         async with asyncio.timeout(timeout_s):
-            while (event := json.loads(await ws.recv()))["type"] not in ("session.updated", "error"):
-                pass
-        if event["type"] == "error":
-            result.refused = event["error"]["code"] == "refused"
-            result.errors.append(event["error"]["message"])
-            return result
+            for expected in ("session.created", "session.updated"):  # a refusal comes first, then the close
+                if (event := json.loads(await ws.recv()))["type"] != expected:
+                    result.refused = event.get("error", {}).get("code") == "refused"
+                    result.errors.append(event.get("error", {}).get("message", str(event)))
+                    return result
+                if expected == "session.created":
+                    await ws.send(json.dumps(update))
         start = time.perf_counter()
         eos_at = start + (clip.eos + 1) / SAMPLE_RATE
 
