@@ -92,6 +92,7 @@ class RealtimeSession:
         self.response: Response | None = None
         self.unanswered = config.voice is not None  # what a response would answer: committed audio, or a prompt
         self.finished_turn = -1  # the last engine turn a finished response had: audio of it or before is stale
+        self.config: SessionConfig | None = None
         self._apply(config)
         self._sender = asyncio.create_task(self._send())
 
@@ -104,9 +105,10 @@ class RealtimeSession:
         return cls(engine, conn, engine.open("turn", sampling=config.sampling), config, base_vad, model, metrics)
 
     def _apply(self, config: SessionConfig) -> None:
+        if self.config is None or config.turn_detection != self.config.turn_detection:
+            td = config.turn_detection
+            self.vad = td.vad(self.base_vad) if td else None  # a new object: the core makes a new endpointer
         self.config = config
-        td = config.turn_detection
-        self.vad = td.vad(self.base_vad) if td else None  # a new object: the core makes a new endpointer
         self.info = config.view(self.wire.beta, self.id, self.model)
 
     # ---- the core's calls --------------------------------------------------------------------------------------
@@ -125,8 +127,7 @@ class RealtimeSession:
 
     async def end_turn(self) -> None:
         await self.speech_ended()
-        await self._commit()
-        if self.config.turn_detection.create_response and self.response is None:
+        if await self._commit() and self.config.turn_detection.create_response and self.response is None:
             await self._respond({})
 
     async def speech_ended(self) -> None:
@@ -182,14 +183,15 @@ class RealtimeSession:
         self.cid, self.unanswered = cid, config.voice is not None
         self._sender = asyncio.create_task(self._send())
 
-    async def _commit(self, explicit: bool = False) -> None:
+    async def _commit(self, explicit: bool = False) -> bool:
+        """The input buffer becomes a user item; False when it is empty."""
         if explicit and _ms(self.buffer_samples) < MIN_COMMIT_MS:
             raise ProtocolError(
                 f"buffer too small: {_ms(self.buffer_samples)} ms of audio, at least {MIN_COMMIT_MS} ms is needed",
                 "input_audio_buffer_commit_empty",
             )
         if not self.buffer_samples:
-            return
+            return False
         previous = next(reversed(self.items), None)
         item = Item(self.buffer_id, "user", self.buffer_samples)
         self.items[item.id] = item
@@ -199,6 +201,7 @@ class RealtimeSession:
         await self._event("input_audio_buffer.committed", previous_item_id=previous, item_id=item.id)
         await self._event("conversation.item.added", previous_item_id=previous, item=item.view())
         await self._event("conversation.item.done", previous_item_id=previous, item=item.view())
+        return True
 
     async def _clear(self, event: dict) -> None:
         self.engine.clear_input(self.cid)
