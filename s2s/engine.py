@@ -148,10 +148,14 @@ class Engine:
         return s.id
 
     def push_audio(self, cid: str, pcm: np.ndarray) -> None:
-        """User PCM (float32, 24 kHz, any length); encoded in the next tick with everyone else's."""
+        """User PCM (float32, 24 kHz, any length, in [-1, 1]); encoded in the next tick with everyone else's. Bad
+        samples raise `ValueError` here, in the caller's thread: the codec would raise in the engine's."""
         if self.tok is None:
             raise ValueError("this engine has no codec: feed it codes with push_codes")
-        s, pcm = self.registry.fed(cid, "audio"), np.asarray(pcm, dtype=np.float32).reshape(-1)
+        pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
+        if len(pcm) and not (np.isfinite(pcm).all() and np.abs(pcm).max() <= 1):
+            raise ValueError("audio must be finite samples in [-1, 1]")
+        s = self.registry.fed(cid, "audio")
         self._commands.put(functools.partial(self._apply_input, s, pcm, len(pcm) / SAMPLE_RATE, self.clock()))
 
     def push_codes(self, cid: str, codes: np.ndarray | torch.Tensor) -> None:

@@ -1,4 +1,5 @@
-"""ChatServer: the websocket protocols and plain HTTP (/healthz, /metrics, the web page at /) on one port.
+"""ChatServer: the websocket protocols and plain HTTP (/healthz, /metrics, the web page at / with its files under
+/web/, and /api/voices for its settings) on one port.
 
 Each websocket path is a protocol on the connection core (`server/connection.py`): /api/chat is Moshi's
 (`server/moshi.py`), /v1/realtime OpenAI's Realtime API (`server/realtime/`), one conversation in the engine per
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
+import ssl
 import urllib.parse
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
@@ -25,13 +28,21 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from s2s import Engine
+from s2s import Engine, SamplingParams
 from server.connection import Endpoint, Limits, PerClient, serve_connection
 from server.moshi import MoshiEndpoint
 from server.realtime import RealtimeEndpoint
 from server.turn_gate import TurnGate
 from server.turn_metrics import TurnMetrics
 from server.vad import VadConfig
+
+WEB_DIR = Path(__file__).parent / "web"
+WEB_FILES = {  # the page's files and their types
+    "index.html": "text/html; charset=utf-8",
+    "app.js": "text/javascript; charset=utf-8",
+    "opus.js": "text/javascript; charset=utf-8",
+    "style.css": "text/css; charset=utf-8",
+}
 
 
 @dataclass
@@ -45,12 +56,27 @@ class ServerOptions:
     vad: VadConfig = field(default_factory=VadConfig)  # turn mode endpointing
     handshake_timeout_s: float = 10.0  # a connection whose HTTP request and upgrade take longer is cut
     served_model_name: str | None = None  # the one `model` a Realtime client may ask for; None: any
+    ssl_certfile: Path | None = None  # with `ssl_keyfile`: https and wss (a browser elsewhere needs it for its mic)
+    ssl_keyfile: Path | None = None
 
     def __post_init__(self) -> None:
         if self.token == "":  # would otherwise read as "no token": authentication off, silently
             raise ValueError("token must not be empty: leave it out to serve without one")
         if not self.handshake_timeout_s > 0:
             raise ValueError(f"handshake timeout must be over 0 s, got {self.handshake_timeout_s}")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("TLS needs both a certificate file and a key file")
+        for path in (self.ssl_certfile, self.ssl_keyfile):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"no such file: {path}")
+
+    def tls(self) -> ssl.SSLContext | None:
+        """The server's TLS context, or None (plain http and ws)."""
+        if self.ssl_certfile is None:
+            return None
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        context.load_cert_chain(self.ssl_certfile, self.ssl_keyfile)
+        return context
 
 
 def refusal(request: Request, options: ServerOptions) -> tuple[HTTPStatus, str] | None:
@@ -147,6 +173,7 @@ class ChatServer:
             open_timeout=self.options.handshake_timeout_s,  # a request that stalls half-sent holds a socket
             ping_interval=20,
             server_header="s2s",  # not websockets' default, which tells Python's version and its own
+            ssl=self.options.tls(),
         )
         return self._server.sockets[0].getsockname()[1]
 
@@ -163,13 +190,32 @@ class ChatServer:
         if path == "/metrics":
             body = generate_latest(self.registry)
             return Response(200, "OK", Headers([("Content-Type", "text/plain; version=0.0.4")]), body)
-        if path == "/":
-            page = (Path(__file__).parent / "web" / "index.html").read_bytes()
-            return Response(200, "OK", Headers([("Content-Type", "text/html; charset=utf-8")]), page)
+        if path == "/" or path.startswith("/web/"):
+            return self._page_file(connection, path.removeprefix("/web/") if path != "/" else "index.html")
+        if path == "/api/voices":
+            body = json.dumps(self._settings()).encode()
+            return Response(200, "OK", Headers([("Content-Type", "application/json")]), body)
         if path not in self.endpoints:
             return connection.respond(HTTPStatus.NOT_FOUND, "not found\n")
         refused = refusal(request, self.options)
         return connection.respond(*refused) if refused else None
+
+    def _page_file(self, connection: ServerConnection, name: str) -> Response:
+        """A file of the web page (`server/web/`): only those, by name, never a path out of it."""
+        if name not in WEB_FILES:
+            return connection.respond(HTTPStatus.NOT_FOUND, "not found\n")
+        body = (WEB_DIR / name).read_bytes()
+        return Response(200, "OK", Headers([("Content-Type", WEB_FILES[name]), ("Cache-Control", "no-cache")]), body)
+
+    def _settings(self) -> dict:
+        """What the page offers: the voice prompts by name, and the sampling defaults with their bounds."""
+        defaults = SamplingParams()
+        return {
+            "voices": sorted(self.engine.voices),
+            "sampling": {"temperature": defaults.temperature, "top_k": defaults.top_k, "top_p": defaults.top_p},
+            "max_top_k": self.engine.model.config.codebook_size,
+            "token_required": self.options.token is not None,
+        }
 
     async def _connect(self, ws: ServerConnection) -> None:
         endpoint = self.endpoints[urllib.parse.urlsplit(ws.request.path).path]

@@ -176,6 +176,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--served-model-name", default=None, help="the model name a Realtime API client must ask for (default: any)"
     )
+    p.add_argument("--ssl-certfile", type=Path, default=None, help="serve https and wss with this certificate (PEM)")
+    p.add_argument("--ssl-keyfile", type=Path, default=None, help="... and this private key (PEM)")
     p.add_argument(
         "--allowed-origin",
         action="append",
@@ -255,6 +257,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
             vad=vad,
             handshake_timeout_s=handshake,
             served_model_name=args.served_model_name,
+            ssl_certfile=args.ssl_certfile,
+            ssl_keyfile=args.ssl_keyfile,
         )
     except ValueError as e:
         raise SystemExit(f"bad server options: {e}") from None
@@ -274,8 +278,9 @@ async def serve_until_sigterm(server: ChatServer, note: Callable[[], str] | None
     try:
         if note is not None:
             print(note())
-        host = server.options.host
-        print(f"serving ws://{host}:{port}/api/chat  (http://{host}:{port}/healthz, /metrics)", flush=True)
+        host, s = server.options.host, "s" if server.options.ssl_certfile else ""
+        pages = f"http{s}://{host}:{port}/ the page, /healthz, /metrics"
+        print(f"serving ws{s}://{host}:{port}/api/chat  ({pages})", flush=True)
         await stop.wait()
     finally:
         await server.stop()

@@ -81,6 +81,7 @@ class MoshiWire:
             raise StreamError(f"no audio in over {self.MAX_UNDECODED} bytes of Ogg/Opus: closed")
         try:
             pcm = np.asarray(self.opus_in.append_bytes(payload), dtype=np.float32).reshape(-1)
+            pcm = np.clip(pcm, -1, 1)  # a decoder overshoots full-scale input a little
         except Exception as e:  # sphn raises its own errors on broken streams
             self._reset_opus()
             raise ProtocolError("audio payload is not valid Ogg/Opus: the stream starts again") from e

@@ -161,3 +161,25 @@ def test_a_large_message_reaches_the_engine_in_real_time_slices(parts) -> None:
         assert sum(pushed) >= 40 * BLOCK and max(pushed) <= BLOCK, pushed[:5]
 
     run_with_server(parts, body)
+
+
+def test_full_scale_opus_decodes_within_range_and_out_of_range_pcm_never_reaches_the_engine_thread(parts) -> None:
+    """A decoder overshoots full-scale input (a browser's Opus of a loud voice): the wire clips it. PCM out of range
+    handed to the engine raises in the caller's thread; the engine thread, which serves every conversation, goes on."""
+    writer, square = sphn.OpusStreamWriter(24000), np.sign(np.sin(np.arange(24000) / 24000 * 2 * np.pi * 200))
+    ogg = b"".join(bytes(writer.append_pcm(square[a : a + BLOCK].astype(np.float32))) for a in range(0, 24000, BLOCK))
+    pcm = MoshiWire("opus").parse(protocol.audio(ogg)).pcm
+    assert len(pcm) and np.abs(pcm).max() <= 1
+
+    async def body(url, server):
+        engine = server.engine
+        cid = engine.open("turn")
+        for bad in (np.full(BLOCK, 1.01, np.float32), np.full(BLOCK, np.nan, np.float32)):
+            with pytest.raises(ValueError, match=r"\[-1, 1\]"):
+                engine.push_audio(cid, bad)
+        engine.push_audio(cid, np.zeros(BLOCK, np.float32))
+        ticks = engine.snapshot().stats.ticks
+        await asyncio.sleep(0.3)
+        assert engine.snapshot().stats.ticks > ticks and engine._thread.is_alive()
+
+    run_with_server(parts, body)
