@@ -62,7 +62,7 @@ async function start() {
   const ws = new WebSocket(state.url);
   ws.binaryType = "arraybuffer";
   conv = { ws, ctx, stream, node, mode, codec, t0: ctx.currentTime, playAt: 0, you: [], model: [], youEnv: [],
-    modelEnv: [], marks: [], speaking: false, quiet: 0, lastLoud: null, opened: false, userStop: false, refused: null };
+    modelEnv: [], marks: [], audible: [], speaking: false, quiet: 0, lastLoud: null, opened: false, userStop: false, refused: null };
   const onError = (text) => note(`audio: ${text}`);
   if (codec === "opus") {
     conv.sender = new OpusSender((page) => send(page), { onError });
@@ -115,7 +115,11 @@ function receive(msg) {
 function play(pcm) {  // reply audio, played back to back from when it comes
   if (!pcm.length) return;
   const { ctx } = conv, now = clock();
-  if (level(pcm) > AUDIBLE_RMS) firstAudio(now);
+  if (level(pcm) > AUDIBLE_RMS) {
+    conv.audible.push(now);
+    if (conv.audible.length > 64) conv.audible.shift();
+    firstAudio(now);
+  }
   const buffer = ctx.createBuffer(1, pcm.length, RATE);
   buffer.getChannelData(0).set(pcm);
   const src = ctx.createBufferSource();
@@ -183,6 +187,8 @@ function addTurn(stopAt) {
   const turn = { n: state.turns.length + 1, stop: stopAt, first: null, latencyMs: null, end: null, cut: null };
   state.turns.push(turn);
   conv.marks.push({ t: stopAt, kind: "stop" });
+  const since = conv.audible.find((t) => t >= stopAt);  // reply audio that came before the page was sure you stopped
+  if (since !== undefined) firstAudio(since);
   showTurns();
 }
 
