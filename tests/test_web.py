@@ -165,3 +165,21 @@ def test_the_page_over_https_talks_over_wss(parts, microphone: Path, tmp_path: P
 
     state = serve(parts, body, options)
     assert state["url"].startswith("wss://127.0.0.1:") and state["handshake"] and not state["problem"], state
+
+
+def test_the_bench_writes_the_screenshots_idle_and_mid_turn(parts, tmp_path: Path) -> None:
+    """`s2s bench web`'s conversation, against this test's server: the README's pictures come from it."""
+    from bench.web_bench import SENTENCES, conversation, microphone
+
+    cfg = parts[0].config
+    voice = {"ada": np.random.default_rng(0).integers(0, cfg.codebook_size, (cfg.num_codebooks, 20))}
+    shots = {"idle": tmp_path / "idle.png", "talking": tmp_path / "talking.png"}
+    mic = microphone(tmp_path, SENTENCES[:2])
+
+    async def body(url, engine):
+        return await conversation(url, mic, "turn", "pcm16", 2, shots)
+
+    row = serve(parts, body, voices=voice)
+    assert row["answered"] == 2 and row["problem"] is None, row
+    for path in shots.values():
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 20_000
