@@ -166,7 +166,8 @@ class Engine:
         self._commands.put(functools.partial(self._apply_input, s, codes, seconds, self.clock()))
 
     def end_turn(self, cid: str) -> None:
-        """Turn mode: the user finished speaking; the reply starts once their audio is in."""
+        """Turn mode: the user finished speaking; the reply starts once their audio is in (`no_reply` event: there
+        is nothing new to answer)."""
         self._commands.put(functools.partial(self._apply_end_turn, self._turn_mode(cid, "end_turn")))
         self._wake.set()
 
@@ -456,12 +457,16 @@ class Engine:
 
     def _apply_end_turn(self, s: Session) -> None:
         """The reply to the audio pushed before the end of turn, not after: that is encoded first, and the reply
-        starts now if it can (audio that comes after is held until the reply is over)."""
+        starts now if it can (audio that comes after is held until the reply is over). With nothing new to answer
+        (the last turn has its reply, or there is no speech yet), a `no_reply` event says so."""
         if self.sessions.get(s.id) is not s:
             return
         self._timed("encode", self.audio.encode, [s])
         s.end_turn(self.clock())
-        if not s.paused and s.start_reply(self.clock()):
+        if s.phase is Phase.LISTEN and (s.end_of_turn_at is None or not s.turns):
+            s.end_of_turn_at = None  # (before any speech, it would fire on the first frames of the next utterance)
+            s.events.put(MetaEvent(s.id, s.turns[-1].id if s.turns else 0, {"event": "no_reply"}))
+        elif not s.paused and s.start_reply(self.clock()):
             self._sample([s])
 
     def _apply_commit(self, s: Session) -> None:
@@ -501,8 +506,8 @@ class Engine:
         if part == "reply" and s.phase is Phase.REPLY and turn is s.turns[-1]:
             return self._apply_interrupt(s, keep)
         if part == "reply":
-            if turn.reply_start is None:
-                return self._error(s, f"turn {turn_id} has no reply")
+            if turn.reply_start is None or turn.reply_end is None:
+                return self._error(s, f"turn {turn_id} has no finished reply")
             start, stop = min(turn.reply_start + keep, turn.reply_end), turn.reply_end
         else:
             later = [t.first_frame for t in s.turns if t.first_frame > turn.first_frame]

@@ -21,6 +21,19 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        """Types too: these often come from clients (a JSON `true` is an int to Python, `1e400` an overflow)."""
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+            try:
+                object.__setattr__(self, name, float(value))
+            except OverflowError:
+                raise ValueError(f"{name} must be finite, got a number of {len(str(value))} digits") from None
+        for name in ("top_k", "seed"):
+            value = getattr(self, name)
+            if (value is not None or name == "top_k") and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be a whole number, got {value!r}")
         if not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}")
         if self.top_k < 0:

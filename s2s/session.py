@@ -108,7 +108,8 @@ class Session(TurnLifecycle):
             "user": user,
             "model": model,
             "frames": self.user_frames,
-            "turns": [Turn(t.id, t.first_frame, t.reply_start, t.reply_end) for t in self.turns],
+            "turns": [Turn(t.id, t.first_frame, t.reply_start, t.reply_end, t.committed) for t in self.turns],
+            "held": list(self.held),
             "prompt_frames": self.prompt_frames,
             "sink": self.sink,
             "dropped": self.dropped,
@@ -123,7 +124,7 @@ class Session(TurnLifecycle):
         self._ensure(n + 1)
         if self.mode == "duplex" and n == 0:
             self.model[0] = self.cfg.silent_id
-        self.turns, self.prompt_frames = snap["turns"], snap["prompt_frames"]
+        self.turns, self.prompt_frames, self.held = snap["turns"], snap["prompt_frames"], list(snap["held"])
         self.sink, self.dropped, self.emitted = snap["sink"], snap["dropped"], snap["emitted"]
         self.complete = 0
 

@@ -192,6 +192,22 @@ def test_what_cannot_be_removed_is_an_error_event_and_changes_nothing(engine: En
     ]
     assert s.user_frames >= frames and s.turns[0].first_frame == 0
     with pytest.raises(ValueError, match="turn mode"):
-        engine.remove(engine.open("duplex"), 0, "reply")
+        engine.remove(engine.open("duplex", admit=False), 0, "reply")  # (admission: not what this is about)
     with pytest.raises(ValueError, match="part"):
         engine.remove(cid, 0, "both")
+
+
+def test_a_resumed_conversation_keeps_its_commits(engine: Engine) -> None:
+    cid = engine.open("turn", sampling=GREEDY)
+    speak(engine, cid, 10, seed=1)
+    engine.commit(cid)
+    engine.step()
+    engine.close(cid)
+    engine.step()
+    engine.open("turn", session_id=cid, resume=True, sampling=GREEDY)
+    speak(engine, cid, 6, seed=2)  # the next turn's, not the committed one's
+    s = engine.sessions[cid]
+    assert [(t.id, t.committed) for t in s.turns] == [(0, True), (1, False)] and s.turns[1].first_frame == 10
+    engine.remove(cid, 0, "reply")  # no finished reply: an error event, and the engine goes on
+    engine.step()
+    assert errors(engine, cid) == ["turn 0 has no finished reply"]

@@ -61,10 +61,10 @@ async def manual_turn(conn, seconds: float = 0.6, seed: int = 0) -> list:
 
 
 async def manual(conn) -> None:
+    """Manual turns, and a seeded draw: a reply's length (where it samples its END code) is the same every run."""
     await until(conn, "session.created")
-    await conn.send(
-        {"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": None}}}}
-    )
+    session = {"type": "realtime", "audio": {"input": {"turn_detection": None}}, "seed": 0}
+    await conn.send({"type": "session.update", "session": session})
     updated = await until(conn, "session.updated")
     assert updated.session.audio.input.turn_detection is None
 
@@ -213,6 +213,17 @@ MALFORMED = [
     ('{"type": "input_audio_buffer.commit"}', "input_audio_buffer_commit_empty"),
     ('{"type": "conversation.item.delete", "item_id": "item_nope"}', "item_not_found"),
     ('{"type": "conversation.item.create", "item": {"type": "message"}}', "unsupported_event"),
+    ('{"type": "conversation.item.delete", "item_id": []}', "item_not_found"),
+    ('{"type": "session.update", "session": {"seed": 1.5}}', "invalid_session"),
+    ('{"type": "session.update", "session": {"seed": true}}', "invalid_session"),
+    ('{"type": "session.update", "session": {"temperature": 1' + "0" * 400 + "}}", "invalid_session"),
+    (
+        '{"type": "session.update", "session": {"audio": {"input": {"turn_detection": {"type": "server_vad", '
+        '"silence_duration_ms": 1' + "0" * 400 + "}}}}}",
+        "invalid_session",
+    ),
+    ('{"type": "session.update", "session": {"temperature": 1' + "0" * 5000 + "}}", "invalid_json"),
+    ("[" * 100_000, "invalid_json"),
 ]
 
 
@@ -242,6 +253,31 @@ def test_ten_malformed_events_each_get_an_error_and_the_session_goes_on(parts) -
                 while not kinds or kinds[-1] != "response.done":
                     kinds.append(json.loads(await ws.recv())["type"])
             assert "response.output_audio.delta" in kinds and "error" not in kinds
+
+    run_with_server(parts, body, OPTIONS)
+
+
+def test_a_response_to_nothing_new_fails_and_edits_wait_for_the_response(parts) -> None:
+    """A response whose input made no frame in the engine (less audio than a frame) fails with `no_input`, not a
+    hang; deleting an item while a response plays is refused (the engine cannot take it out then)."""
+
+    async def body(url, server):
+        async with client(url).realtime.connect(model="gpt-realtime") as conn:
+            await manual(conn)
+            await append(conn, speech(0.6))
+            await conn.send({"type": "input_audio_buffer.commit"})
+            await conn.send({"type": "response.create"})
+            user = await until(conn, "input_audio_buffer.committed")
+            await until(conn, "response.output_audio.delta")
+            await conn.send({"type": "conversation.item.delete", "item_id": user.item_id})
+            assert (await until(conn, "error")).error.code == "conversation_already_has_active_response"
+            await until(conn, "response.done")
+            await conn.send({"type": "input_audio_buffer.append", "audio": b64(speech(0.005))})  # 120 samples
+            await conn.send({"type": "response.create"})
+            done = await until(conn, "response.done")
+            assert done.response.status == "failed" and done.response.status_details.error.code == "no_input"
+            seen = await manual_turn(conn, seed=4)  # and it goes on
+            assert seen[-1].response.status in ("completed", "incomplete")
 
     run_with_server(parts, body, OPTIONS)
 

@@ -16,6 +16,7 @@ from server.vad import VadConfig
 
 RATE = 24000
 STOP_BELOW_START = 0.15  # Silero's usual stop threshold under the start one
+MAX_MS = 10_000  # the longest silence or prefix padding a turn detection setting may ask for
 
 
 @dataclass(frozen=True)
@@ -205,8 +206,14 @@ class _Reader:
                     continue
             settings[key] = v
         new = replace(td, **settings)
-        if not 0 <= new.threshold <= 1 or new.silence_duration_ms <= 0 or new.prefix_padding_ms < 0:
-            self.problems.append(f"{name}: need 0 <= threshold <= 1, silence_duration_ms > 0, prefix_padding_ms >= 0")
+        if not (
+            0 <= new.threshold <= 1 and 0 < new.silence_duration_ms <= MAX_MS and 0 <= new.prefix_padding_ms <= MAX_MS
+        ):
+            self.problems.append(
+                f"{name}: need 0 <= threshold <= 1, 0 < silence_duration_ms <= {MAX_MS} "
+                f"and 0 <= prefix_padding_ms <= {MAX_MS}"
+            )
+            return current
         return new
 
     def _expect(self, name: str, value: object, allowed, why: str) -> None:

@@ -2,22 +2,21 @@
 
 The user's audio streams into the engine as it is appended, so its prefill is done by the end of the turn. A commit
 (the server VAD's end of turn, or the client's) closes the engine's turn (`Engine.commit`), whose `committed` event
-names the engine turn behind the user item; a response is the engine's reply to the last committed turn
-(`Engine.end_turn`), its audio sent as deltas while it is made. Cancelling a response, truncating an assistant item
-and deleting an item edit the engine's context (`Engine.interrupt`, `Engine.remove`): it keeps what the user heard.
+names the engine turn behind the user item; a response is the engine's reply to that turn (`Engine.end_turn`), its
+audio sent as deltas while it is made. Cancelling a response, truncating an assistant item and deleting an item edit
+the engine's context (`Engine.interrupt`, `Engine.remove`): it keeps what the user heard.
 
 Known differences from OpenAI's server, each told to the client where it applies: there is no text (no transcripts,
-no instructions, no tools); a response needs new user audio (or a voice prompt, before the first); audio appended
-while a response plays is heard after it (the engine holds it: the model's turn has a silent user);
-`conversation.item.create` and `.retrieve` are not supported."""
+no instructions, no tools); a response needs new user audio (or a voice prompt, before the first), else it fails
+with `no_input`; audio appended while a response plays is heard after it (the engine holds it: the model's turn has a
+silent user), and an end of turn meanwhile is answered when that response is over; items cannot be deleted or
+truncated while a response plays; `conversation.item.create` and `.retrieve` are not supported."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
 import time
-import uuid
-from dataclasses import dataclass
 
 import numpy as np
 from websockets.exceptions import ConnectionClosed
@@ -27,49 +26,15 @@ from s2s import AudioEvent, Engine, MetaEvent, Refused
 from server.connection import Connection, Request
 from server.protocol import ProtocolError
 from server.realtime.config import SessionConfig
-from server.realtime.wire import RealtimeWire
+from server.realtime.items import Item, Response, ms, new_id
+from server.realtime.wire import GA_ONLY, RealtimeWire
 from server.session import events
 from server.turn_metrics import TurnMetrics
 from server.vad import VadConfig
 
 MIN_COMMIT_MS = 100  # OpenAI's: a commit of less is an error
 RESPONSE_FIELDS = {"metadata", "output_modalities", "modalities", "instructions", "conversation", "voice"}
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:20]}"
-
-
-def _ms(samples: int) -> int:
-    return samples * 1000 // SAMPLE_RATE
-
-
-@dataclass
-class Item:
-    id: str
-    role: str  # "user" or "assistant"
-    samples: int = 0  # its audio: appended (user), sent (assistant)
-    turn: int | None = None  # the engine's turn it is in (a user item's comes with its `committed` event)
-    status: str = "completed"
-
-    def view(self) -> dict:
-        content = "input_audio" if self.role == "user" else "output_audio"
-        return {
-            "id": self.id,
-            "object": "realtime.item",
-            "type": "message",
-            "role": self.role,
-            "status": self.status,
-            "content": [{"type": content, "transcript": None}],
-        }
-
-
-@dataclass
-class Response:
-    id: str
-    item: Item
-    metadata: dict | None
-    times: dict | None = None  # the engine's stage times, once it is done
+BUSY = "a response is in progress: wait for response.done or send response.cancel"
 
 
 class RealtimeSession:
@@ -85,15 +50,18 @@ class RealtimeSession:
     ):
         self.engine, self.conn, self.cid, self.model, self.metrics = engine, conn, cid, model, metrics
         self.wire: RealtimeWire = conn.wire
-        self.base_vad, self.id = base_vad, _id("sess")
+        self.base_vad, self.id = base_vad, new_id("sess")
         self.items: dict[str, Item] = {}  # the conversation, in order
         self.awaiting: collections.deque[Item] = collections.deque()  # committed user items whose turn is unknown
-        self.buffer_id, self.buffer_samples, self.received = _id("item"), 0, 0
+        self.buffer_id, self.buffer_samples, self.received = new_id("item"), 0, 0
         self.response: Response | None = None
         self.unanswered = config.voice is not None  # what a response would answer: committed audio, or a prompt
+        self.respond_after = False  # a VAD end of turn came while a response played: answer it once that is over
         self.finished_turn = -1  # the last engine turn a finished response had: audio of it or before is stale
         self.config: SessionConfig | None = None
+        self.vad: VadConfig | None = None
         self._apply(config)
+        self._events = asyncio.Lock()  # a response's events go out as one group: never interleaved with another's
         self._sender = asyncio.create_task(self._send())
 
     @classmethod
@@ -105,9 +73,10 @@ class RealtimeSession:
         return cls(engine, conn, engine.open("turn", sampling=config.sampling), config, base_vad, model, metrics)
 
     def _apply(self, config: SessionConfig) -> None:
-        if self.config is None or config.turn_detection != self.config.turn_detection:
-            td = config.turn_detection
-            self.vad = td.vad(self.base_vad) if td else None  # a new object: the core makes a new endpointer
+        td = config.turn_detection
+        vad = td.vad(self.base_vad) if td else None
+        if vad != self.vad:  # new endpointing settings: the core makes a new endpointer (it keeps its state else)
+            self.vad = vad
         self.config = config
         self.info = config.view(self.wire.beta, self.id, self.model)
 
@@ -120,18 +89,22 @@ class RealtimeSession:
 
     async def barge_in(self, played_frames: int) -> None:
         td = self.config.turn_detection
-        start = max(0, _ms(self.received) - td.prefix_padding_ms)
+        start = max(0, ms(self.received) - td.prefix_padding_ms)
         await self._event("input_audio_buffer.speech_started", audio_start_ms=start, item_id=self.buffer_id)
         if td.interrupt_response:
             await self._interrupt(played_frames, "turn_detected")
 
     async def end_turn(self) -> None:
         await self.speech_ended()
-        if await self._commit() and self.config.turn_detection.create_response and self.response is None:
+        if not await self._commit() or not self.config.turn_detection.create_response:
+            return
+        if self.response is None:
             await self._respond({})
+        else:
+            self.respond_after = True
 
     async def speech_ended(self) -> None:
-        end = max(0, _ms(self.received) - self.config.turn_detection.silence_duration_ms)
+        end = max(0, ms(self.received) - self.config.turn_detection.silence_duration_ms)
         await self._event("input_audio_buffer.speech_stopped", audio_end_ms=end, item_id=self.buffer_id)
 
     async def stream(self, action: str) -> None:
@@ -185,9 +158,9 @@ class RealtimeSession:
 
     async def _commit(self, explicit: bool = False) -> bool:
         """The input buffer becomes a user item; False when it is empty."""
-        if explicit and _ms(self.buffer_samples) < MIN_COMMIT_MS:
+        if explicit and ms(self.buffer_samples) < MIN_COMMIT_MS:
             raise ProtocolError(
-                f"buffer too small: {_ms(self.buffer_samples)} ms of audio, at least {MIN_COMMIT_MS} ms is needed",
+                f"buffer too small: {ms(self.buffer_samples)} ms of audio, at least {MIN_COMMIT_MS} ms is needed",
                 "input_audio_buffer_commit_empty",
             )
         if not self.buffer_samples:
@@ -196,7 +169,7 @@ class RealtimeSession:
         item = Item(self.buffer_id, "user", self.buffer_samples)
         self.items[item.id] = item
         self.awaiting.append(item)
-        self.buffer_id, self.buffer_samples, self.unanswered = _id("item"), 0, True
+        self.buffer_id, self.buffer_samples, self.unanswered = new_id("item"), 0, True
         self.engine.commit(self.cid)  # (while a reply plays, the engine closes the turn once the reply is over)
         await self._event("input_audio_buffer.committed", previous_item_id=previous, item_id=item.id)
         await self._event("conversation.item.added", previous_item_id=previous, item=item.view())
@@ -205,10 +178,10 @@ class RealtimeSession:
 
     async def _clear(self, event: dict) -> None:
         self.engine.clear_input(self.cid)
-        self.buffer_id, self.buffer_samples = _id("item"), 0
+        self.buffer_id, self.buffer_samples = new_id("item"), 0
         await self._event("input_audio_buffer.cleared")
 
-    async def _respond(self, params: dict) -> None:
+    async def _respond(self, params: object) -> None:
         if not isinstance(params, dict):
             raise ProtocolError("response: must be an object", "invalid_response")
         if unknown := set(params) - RESPONSE_FIELDS:
@@ -219,35 +192,36 @@ class RealtimeSession:
         if params.get("instructions") or params.get("voice"):
             raise ProtocolError("response: instructions and voice are not supported per response", "invalid_response")
         if self.response is not None:
-            raise ProtocolError(
-                "a response is in progress: wait for response.done or send response.cancel",
-                "conversation_already_has_active_response",
-            )
+            raise ProtocolError(BUSY, "conversation_already_has_active_response")
         await self._commit()
         if not self.unanswered:
             raise ProtocolError("nothing new to respond to: append audio first", "no_input")
-        item = Item(_id("item"), "assistant", status="in_progress")
-        previous = next(reversed(self.items), None)
-        self.items[item.id] = item
-        self.response = resp = Response(_id("resp"), item, params.get("metadata"))
-        self.unanswered = False
-        self.wire.reply = {"response_id": resp.id, "item_id": item.id, "output_index": 0, "content_index": 0}
-        self.engine.end_turn(self.cid)
-        await self._event("response.created", response=self._response_view(resp, "in_progress"))
-        await self._event("response.output_item.added", response_id=resp.id, output_index=0, item=item.view())
-        await self._event("conversation.item.added", previous_item_id=previous, item=item.view())
-        await self._event("response.content_part.added", **self.wire.reply, part={"type": "audio", "transcript": ""})
+        async with self._events:
+            answers = next((i for i in reversed(self.items.values()) if i.role == "user"), None)
+            previous = next(reversed(self.items), None)
+            item = Item(new_id("item"), "assistant", status="in_progress")
+            self.items[item.id] = item
+            self.response = resp = Response(new_id("resp"), item, answers, params.get("metadata"))
+            self.unanswered = False
+            beta = self.wire.beta
+            await self._event("response.created", response=resp.view("in_progress", beta))
+            await self._event("response.output_item.added", response_id=resp.id, output_index=0, item=item.view())
+            await self._event("conversation.item.added", previous_item_id=previous, item=item.view())
+            await self._event("response.content_part.added", **resp.ids(), part={"type": "audio", "transcript": ""})
+            self.wire.reply = resp.ids()
+        self.engine.end_turn(self.cid)  # after the events that announce it: its audio comes after them
 
     async def _cancel(self, event: dict) -> None:
         resp = self.response
         if resp is None or event.get("response_id") not in (None, resp.id):
             raise ProtocolError("there is no response in progress to cancel", "response_cancel_not_active")
-        await self._interrupt(resp.item.samples // FRAME_SIZE, "client_cancelled")  # what was sent stays
+        await self._finish_cut(resp.item.samples // FRAME_SIZE, "client_cancelled")  # what was sent stays
 
     async def _clear_output(self, event: dict) -> None:
         """A barge-in the client tells: what it has played of the last reply stays, the rest goes."""
+        response_id = self.response.id if self.response else None
         await self._interrupt(self.conn.playback.played_frames(), "client_cancelled")
-        await self._event("output_audio_buffer.cleared")
+        await self._event("output_audio_buffer.cleared", response_id=response_id)
 
     async def _truncate(self, event: dict) -> None:
         item, end = self._item(event), event.get("audio_end_ms")
@@ -257,13 +231,13 @@ class RealtimeSession:
             raise ProtocolError("content_index must be 0: an item holds one audio part", "invalid_value")
         if not isinstance(end, int) or isinstance(end, bool) or end < 0:
             raise ProtocolError(f"audio_end_ms must be a whole number of ms >= 0, got {end!r}", "invalid_value")
-        if end > _ms(item.samples):
-            raise ProtocolError(
-                f"audio_end_ms {end} is past the item's audio ({_ms(item.samples)} ms)", "invalid_value"
-            )
+        if end > ms(item.samples):
+            raise ProtocolError(f"audio_end_ms {end} is past the item's audio ({ms(item.samples)} ms)", "invalid_value")
         frames = end * SAMPLE_RATE // 1000 // FRAME_SIZE
         if self.response is not None and self.response.item is item:
             await self._finish_cut(frames, "client_cancelled")
+        elif self.response is not None:
+            raise ProtocolError(BUSY, "conversation_already_has_active_response")
         elif item.turn is not None:
             self.engine.remove(self.cid, item.turn, "reply", frames)
         item.samples = end * SAMPLE_RATE // 1000
@@ -271,8 +245,8 @@ class RealtimeSession:
 
     async def _delete(self, event: dict) -> None:
         item = self._item(event)
-        if self.response is not None and self.response.item is item:
-            raise ProtocolError("that item's response is in progress: cancel it first", "invalid_value")
+        if self.response is not None:
+            raise ProtocolError(BUSY, "conversation_already_has_active_response")
         if item in self.awaiting:
             raise ProtocolError("that item is still being committed: try again", "item_busy")
         if item.turn is not None:
@@ -281,63 +255,57 @@ class RealtimeSession:
         await self._event("conversation.item.deleted", item_id=item.id)
 
     def _item(self, event: dict) -> Item:
-        item = self.items.get(event.get("item_id"))
-        if item is None:
-            raise ProtocolError(f"no item {event.get('item_id')!r} in the conversation", "item_not_found")
-        return item
+        item_id = event.get("item_id")
+        if not isinstance(item_id, str) or item_id not in self.items:
+            raise ProtocolError(f"no item {item_id!r} in the conversation", "item_not_found")
+        return self.items[item_id]
 
     # ---- responses -------------------------------------------------------------------------------------------
 
     async def _interrupt(self, played_frames: int, reason: str) -> None:
-        """The response in progress is cut after `played_frames` frames; with none, the last reply while it may still
+        """The response in progress is cut after what was played of it; with none, the last reply, while it may still
         be playing."""
         if self.response is not None:
-            return await self._finish_cut(played_frames, reason)
+            return await self._finish_cut(min(played_frames, self.response.item.samples // FRAME_SIZE), reason)
         last = next((i for i in reversed(self.items.values()) if i.role == "assistant"), None)
         playing = self.conn.playback.until > time.monotonic() and self.conn.playback.turn == getattr(last, "turn", None)
         if last is not None and last.turn is not None and playing and played_frames * FRAME_SIZE < last.samples:
             self.engine.remove(self.cid, last.turn, "reply", played_frames)
             last.samples = played_frames * FRAME_SIZE
             await self._event(
-                "conversation.item.truncated", item_id=last.id, content_index=0, audio_end_ms=_ms(last.samples)
+                "conversation.item.truncated", item_id=last.id, content_index=0, audio_end_ms=ms(last.samples)
             )
 
     async def _finish_cut(self, frames: int, reason: str) -> None:
         """The response ends after `frames` frames: cut while it plays, or edited out if it is already made."""
-        turn = self.response.item.turn
-        if turn is None:  # no audio yet (the reply may not have started: `interrupt` stops it starting)
+        turn = self.response.turn
+        if turn is None:  # its turn is not known yet, so neither is its reply: `interrupt` also stops it starting
             self.engine.interrupt(self.cid, frames)
         else:
             self.engine.remove(self.cid, turn, "reply", frames)
         self.response.item.samples = min(self.response.item.samples, frames * FRAME_SIZE)
         await self._finish("cancelled", reason)
 
-    async def _finish(self, status: str, reason: str | None = None) -> None:
-        resp, self.response, self.wire.reply = self.response, None, None
-        ids = {"response_id": resp.id, "item_id": resp.item.id, "output_index": 0, "content_index": 0}
-        resp.item.status = "completed" if status == "completed" else "incomplete"
-        if resp.item.turn is not None:
-            self.finished_turn = max(self.finished_turn, resp.item.turn)
-        await self._event("response.output_audio.done", **ids)
-        await self._event("response.content_part.done", **ids, part={"type": "audio", "transcript": ""})
-        await self._event("response.output_item.done", response_id=resp.id, output_index=0, item=resp.item.view())
-        await self._event("conversation.item.done", item=resp.item.view())
-        await self._event("response.done", response=self._response_view(resp, status, reason))
+    async def _finish(self, status: str, reason: str | None = None, error: dict | None = None) -> None:
+        async with self._events:
+            resp, self.response, self.wire.reply = self.response, None, None
+            resp.item.status = "completed" if status == "completed" else "incomplete"
+            if resp.turn is not None:
+                self.finished_turn = max(self.finished_turn, resp.turn)
+            ids = resp.ids()
+            await self._event("response.output_audio.done", **ids)
+            await self._event("response.content_part.done", **ids, part={"type": "audio", "transcript": ""})
+            await self._event("response.output_item.done", response_id=resp.id, output_index=0, item=resp.item.view())
+            await self._event("conversation.item.done", item=resp.item.view())
+            await self._event("response.done", response=resp.view(status, self.wire.beta, reason, error))
         if resp.times:
             self.metrics.observe("realtime", resp.times)
-
-    def _response_view(self, resp: Response, status: str, reason: str | None = None) -> dict:
-        done = status != "in_progress"
-        return {
-            "id": resp.id,
-            "object": "realtime.response",
-            "status": status,
-            "status_details": {"type": status, "reason": reason} if done else None,
-            "output": [resp.item.view()] if done else [],
-            "metadata": resp.metadata,
-            "output_modalities": ["audio"],
-            "usage": None,
-        }
+        if self.respond_after:
+            self.respond_after = False
+            try:
+                await self._respond({})
+            except ProtocolError as e:  # (nothing new after all: its audio made no frame)
+                await self.conn.send_error(str(e), e.code)
 
     # ---- engine events -----------------------------------------------------------------------------------------
 
@@ -353,22 +321,26 @@ class RealtimeSession:
 
     async def _reply_audio(self, event: AudioEvent) -> None:
         resp = self.response
-        if resp is None or event.turn <= self.finished_turn or resp.item.turn not in (None, event.turn):
+        if resp is None or event.turn <= self.finished_turn or resp.turn not in (None, event.turn):
             return  # a cancelled reply's, still on its way
         resp.item.turn = event.turn
         resp.item.samples += len(event.pcm)
         await self.conn.send_audio(event.pcm, event.turn)
 
     async def _engine_event(self, data: dict) -> None:
-        kind = data.get("event")
+        kind, resp = data.get("event"), self.response
         if kind == "committed" and self.awaiting:  # one for each commit, in order (its turn None: nothing closed)
             self.awaiting.popleft().turn = data["turn"]
-        elif kind == "reply_done" and self.response is not None and self.response.item.turn in (None, data["turn"]):
-            self.response.item.turn, self.response.times = data["turn"], data["times"]
+        elif kind == "reply_done" and resp is not None and resp.turn in (None, data["turn"]):
+            resp.item.turn, resp.times = data["turn"], data["times"]
             full = data["frames"] >= self.engine.cfg.max_reply_frames
             await self._finish("incomplete" if full else "completed", "max_output_tokens" if full else None)
+        elif kind == "no_reply" and resp is not None and not resp.item.samples:
+            error = {"type": "invalid_request_error", "code": "no_input", "message": "nothing new to respond to"}
+            await self._finish("failed", error=error)
         elif kind == "error":
             await self.conn.send_error(data["message"], "engine_error")
 
     async def _event(self, kind: str, **fields) -> None:
-        await self.conn.send_event({"type": kind, **fields})
+        if not (self.wire.beta and kind in GA_ONLY):
+            await self.conn.send_event({"type": kind, **fields})

@@ -41,6 +41,7 @@ BETA_NAMES = {
     "response.output_audio_transcript.done": "response.audio_transcript.done",
 }
 BETA_CONTENT = {"output_audio": "audio"}
+GA_ONLY = {"conversation.item.done"}  # events the beta does not have: a beta client is not sent them
 
 
 def pcm16_base64(pcm: np.ndarray) -> str:
@@ -67,8 +68,8 @@ class RealtimeWire:
             raise ProtocolError("binary frames are not part of the Realtime API: send JSON events as text")
         try:
             event = json.loads(message)
-        except json.JSONDecodeError as e:
-            raise ProtocolError(f"not valid JSON: {e}", "invalid_json") from e
+        except (ValueError, RecursionError) as e:  # (a number of over 4,300 digits, or nesting past the stack)
+            raise ProtocolError(f"not valid JSON: {str(e)[:200]}", "invalid_json") from e
         kind = event.get("type") if isinstance(event, dict) else None
         if not isinstance(kind, str):
             raise ProtocolError("an event is a JSON object with a string 'type'", "invalid_event")
@@ -95,7 +96,8 @@ class RealtimeWire:
         data = {"event_id": f"event_{next(self._ids)}", **data}
         if self.beta:
             data["type"] = BETA_NAMES.get(data["type"], data["type"])
-            for content in data.get("item", {}).get("content", []):
+            items = [data.get("item", {}), *data.get("response", {}).get("output", [])]
+            for content in (c for item in items for c in item.get("content", [])):
                 content["type"] = BETA_CONTENT.get(content["type"], content["type"])
         return json.dumps(data)
 

@@ -52,37 +52,47 @@ async function start() {
       "server's machine, or serve it with --ssl-certfile and --ssl-keyfile");
   }
   const q = query(), mode = q.get("mode"), codec = q.get("codec");
+  if (codec === "opus" && (typeof AudioEncoder === "undefined" || typeof AudioDecoder === "undefined")) {
+    throw new Error("this browser has no WebCodecs for Opus: choose PCM16");
+  }
   const ctx = new AudioContext({ sampleRate: RATE });  // the browser resamples the microphone to 24 kHz
-  await ctx.audioWorklet.addModule(URL.createObjectURL(new Blob([WORKLET], { type: "text/javascript" })));
-  const stream = await navigator.mediaDevices.getUserMedia({ audio: { echoCancellation: true } });
+  let stream;
+  try {
+    await ctx.audioWorklet.addModule(URL.createObjectURL(new Blob([WORKLET], { type: "text/javascript" })));
+    stream = await navigator.mediaDevices.getUserMedia({ audio: { echoCancellation: true } });
+  } catch (e) {
+    ctx.close();
+    throw e;
+  }
   const node = new AudioWorkletNode(ctx, "capture");
   ctx.createMediaStreamSource(stream).connect(node);
   const scheme = location.protocol === "https:" ? "wss" : "ws";
   state.url = `${scheme}://${location.host}/api/chat?${q}`;
   const ws = new WebSocket(state.url);
   ws.binaryType = "arraybuffer";
-  conv = { ws, ctx, stream, node, mode, codec, t0: ctx.currentTime, playAt: 0, you: [], model: [], youEnv: [],
+  const c = conv = { ws, ctx, stream, node, mode, codec, t0: ctx.currentTime, playAt: 0, you: [], model: [], youEnv: [],
     modelEnv: [], marks: [], audible: [], speaking: false, quiet: 0, lastLoud: null, opened: false, userStop: false, refused: null };
   const onError = (text) => note(`audio: ${text}`);
   if (codec === "opus") {
-    conv.sender = new OpusSender((page) => send(page), { onError });
-    conv.receiver = new OpusReceiver((pcm) => play(pcm), { onError });
+    c.sender = new OpusSender((page) => send(c, page), { onError });
+    c.receiver = new OpusReceiver((pcm) => c === conv && play(pcm), { onError });
   }
-  ws.onopen = () => { conv.opened = state.connected = true; status(`Connected (${mode}, ${codec}). Speak.`); };
-  ws.onclose = (ev) => closed(ev);
-  ws.onmessage = (ev) => receive(new Uint8Array(ev.data));
-  node.port.onmessage = (ev) => heard(ev.data);
+  // each handler acts on its own conversation only: a late event of a stopped one changes nothing
+  ws.onopen = () => { if (c === conv) { c.opened = state.connected = true; status(`Connected (${mode}, ${codec}). Speak.`); } };
+  ws.onclose = (ev) => { if (c === conv) closed(ev); };
+  ws.onmessage = (ev) => { if (c === conv) receive(new Uint8Array(ev.data)); };
+  node.port.onmessage = (ev) => { if (c === conv) heard(ev.data); };
   $("start").disabled = true; $("stop").disabled = false; $("done").disabled = mode !== "turn";
   setDisabled($("settings"), true);
   status("Connecting...");
-  requestAnimationFrame(draw);
+  requestAnimationFrame(() => draw(c));
 }
 
-function send(payload) {
-  if (conv.ws.readyState !== WebSocket.OPEN) return;
+function send(c, payload) {
+  if (c.ws.readyState !== WebSocket.OPEN) return;
   const out = new Uint8Array(1 + payload.length);
   out[0] = 1; out.set(payload, 1);
-  conv.ws.send(out);
+  c.ws.send(out);
 }
 
 function heard(block) {  // 80 ms of the microphone
@@ -100,7 +110,7 @@ function heard(block) {  // 80 ms of the microphone
   }
   if (conv.ws.readyState !== WebSocket.OPEN) return;
   if (conv.sender) conv.sender.push(block);
-  else send(new Uint8Array(pcm16(block).buffer));
+  else send(conv, new Uint8Array(pcm16(block).buffer));
   state.sentBlocks++;
 }
 
@@ -164,6 +174,7 @@ async function closed(ev) {
 }
 
 function stop() {
+  if (!conv || conv.finished) return;
   conv.userStop = true;
   conv.ws.close();
   finish();
@@ -176,6 +187,7 @@ function finish() {
   conv.node.port.onmessage = null;
   conv.stream.getTracks().forEach((t) => t.stop());
   conv.sender?.close(); conv.receiver?.close();
+  conv.ctx.close();  // what is still scheduled stops playing
   $("start").disabled = false; $("stop").disabled = true; $("done").disabled = true;
   setDisabled($("settings"), false);
   offerWav();
@@ -241,8 +253,8 @@ function envelope(env, at, pcm) {  // the peak of each 20 ms slot
   }
 }
 
-function draw() {
-  if (!conv) return;
+function draw(c) {
+  if (c !== conv) return;
   const canvas = $("scope"), g = canvas.getContext("2d"), w = canvas.width, h = canvas.height, mid = h / 2;
   const now = clock(), from = Math.max(0, now - WINDOW_S), x = (t) => ((t - from) / WINDOW_S) * w;
   g.clearRect(0, 0, w, h);
@@ -262,7 +274,7 @@ function draw() {
   g.fillStyle = "#333"; g.font = "13px system-ui";
   g.fillText("you", 6, 16); g.fillText("model", 6, h - 8);
   g.fillText(`${now.toFixed(1)} s`, w - 60, 16);
-  if (!conv.finished) requestAnimationFrame(draw);
+  if (!conv.finished) requestAnimationFrame(() => draw(c));
 }
 
 // ---- the recording ------------------------------------------------------------------------------------------------
@@ -323,6 +335,7 @@ $("start").onclick = () => start().catch((e) => problem(`Could not start: ${e.me
 $("retry").onclick = $("start").onclick;
 $("stop").onclick = stop;
 $("done").onclick = () => {  // the user says they are done: a turn ends now, not at the page's own end of speech
+  if (conv?.ws.readyState !== WebSocket.OPEN) return;
   conv.speaking = false;
   addTurn(clock());
   conv.ws.send(new Uint8Array([3, 1]));
