@@ -1,6 +1,6 @@
 """The OpenAI Realtime API (GA shape, and the beta's names for beta clients) at /v1/realtime, on the connection core:
-`wire.py` (JSON events), `config.py` (`session.update`), `session.py` (items and responses over the engine),
-`endpoint.py` (the request: model, dialect)."""
+`wire.py` (JSON events), `config.py` (`session.update`), `items.py` and `session.py` (items and responses over the
+engine), `endpoint.py` (the request: model, dialect)."""
 
 from server.realtime.endpoint import RealtimeEndpoint
 
