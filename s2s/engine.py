@@ -415,8 +415,7 @@ class Engine:
         if self.sessions.get(s.id) is not s or s.paused == paused:
             return
         s.paused = paused
-        turn = s.turns[-1].id if s.turns else 0
-        s.events.put(MetaEvent(s.id, turn, {"event": "paused" if paused else "started"}))
+        self._tell(s, {"event": "paused" if paused else "started"})
 
     def _apply_restart(self, s: Session) -> None:
         if self.sessions.get(s.id) is not s:
@@ -465,7 +464,7 @@ class Engine:
         s.end_turn(self.clock())
         if s.phase is Phase.LISTEN and (s.end_of_turn_at is None or not s.turns):
             s.end_of_turn_at = None  # (before any speech, it would fire on the first frames of the next utterance)
-            s.events.put(MetaEvent(s.id, s.turns[-1].id if s.turns else 0, {"event": "no_reply"}))
+            self._tell(s, {"event": "no_reply"})
         elif not s.paused and s.start_reply(self.clock()):
             self._sample([s])
 
@@ -480,7 +479,7 @@ class Engine:
 
     def _committed(self, s: Session, turns: list[int | None]) -> None:
         for turn in turns:
-            s.events.put(MetaEvent(s.id, s.turns[-1].id if s.turns else 0, {"event": "committed", "turn": turn}))
+            self._tell(s, {"event": "committed", "turn": turn})
 
     def _release_held(self, s: Session) -> None:
         self._committed(s, s.release_held(self.clock()))
@@ -523,7 +522,12 @@ class Engine:
         self.kv.trim(s)
 
     def _error(self, s: Session, message: str) -> None:
-        s.events.put(MetaEvent(s.id, s.turns[-1].id if s.turns else 0, {"event": "error", "message": message}))
+        self._tell(s, {"event": "error", "message": message})
+
+    @staticmethod
+    def _tell(s: Session, data: dict) -> None:
+        """An event for the session's caller, on its current turn."""
+        s.events.put(MetaEvent(s.id, s.turns[-1].id if s.turns else 0, data))
 
     def _turn_mode(self, cid: str, call: str) -> Session:
         s = self.registry.get(cid)

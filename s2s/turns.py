@@ -65,12 +65,18 @@ class TurnLifecycle:
                 self.hear(codes, now)
         return closed
 
+    def _open_turn(self) -> Turn | None:
+        """The last turn while listening, if it is open (no reply, not committed) and has speech."""
+        turn = self.turns[-1] if self.turns else None
+        if self.phase is not Phase.LISTEN or turn is None or self._closed(turn) or self.user_frames == turn.first_frame:
+            return None
+        return turn
+
     def commit(self, now: float) -> int | None:
         """The open turn is closed with no reply yet (the Realtime API's commit), to be answered by a later
         `end_turn`; the next audio opens another. Returns its id, or None when there is nothing to close (no speech
         since the last turn, or a reply playing). Its audio must be in (`Engine.commit` encodes what is pending)."""
-        turn = self.turns[-1] if self.turns else None
-        if self.phase is not Phase.LISTEN or turn is None or self._closed(turn) or self.user_frames == turn.first_frame:
+        if (turn := self._open_turn()) is None:
             return None
         turn.committed = True
         turn.times["committed"] = now
@@ -82,8 +88,7 @@ class TurnLifecycle:
         self.pending = []
         commits = [i for i, codes in enumerate(self.held) if codes is None]
         self.held = self.held[: commits[-1] + 1] if commits else []
-        turn = self.turns[-1] if self.turns else None
-        if self.phase is not Phase.LISTEN or turn is None or self._closed(turn) or self.user_frames == turn.first_frame:
+        if (turn := self._open_turn()) is None:
             return None
         if not self.can_rewind(turn.first_frame):
             raise ValueError("the audio to clear began before the context window: it cannot be cleared")

@@ -59,9 +59,9 @@ class EndTurn:
 
 @dataclass
 class Request:
-    """A protocol's own request, for its session (`Session.request`): a Realtime API client event."""
+    """A protocol's own request, for its session (`Session.request`): a Realtime API client event (`event["type"]`
+    names it)."""
 
-    type: str
     event: dict
 
 

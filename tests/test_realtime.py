@@ -50,11 +50,16 @@ async def append(conn, pcm: np.ndarray, real_time: bool = False) -> None:
             await asyncio.sleep(0.1)
 
 
-async def manual_turn(conn, seconds: float = 0.6, seed: int = 0) -> list:
-    """Append, commit, ask for a response; the events up to `response.done` (included)."""
+async def ask(conn, seconds: float = 0.6, seed: int = 0, response: dict | None = None) -> None:
+    """Append speech, commit it, ask for a response (`response`: its parameters)."""
     await append(conn, speech(seconds, seed))
     await conn.send({"type": "input_audio_buffer.commit"})
-    await conn.send({"type": "response.create"})
+    await conn.send({"type": "response.create", **({"response": response} if response else {})})
+
+
+async def manual_turn(conn, seconds: float = 0.6, seed: int = 0) -> list:
+    """`ask`; the events up to `response.done` (included)."""
+    await ask(conn, seconds, seed)
     seen: list = []
     seen.append(await until(conn, "response.done", seen))
     return seen
@@ -141,9 +146,7 @@ def test_truncate_mid_reply_keeps_only_what_was_played_in_the_next_turns_context
         engine = server.engine
         async with client(url).realtime.connect(model="gpt-realtime") as conn:
             await manual(conn)
-            await append(conn, speech(0.6))
-            await conn.send({"type": "input_audio_buffer.commit"})
-            await conn.send({"type": "response.create"})
+            await ask(conn)
             received, item = 0, None
             async with asyncio.timeout(30):
                 while received < 24000 * 0.4:
@@ -184,9 +187,7 @@ def test_response_cancel(parts) -> None:
     async def body(url, server):
         async with client(url).realtime.connect(model="gpt-realtime") as conn:
             await manual(conn)
-            await append(conn, speech(0.6))
-            await conn.send({"type": "input_audio_buffer.commit"})
-            await conn.send({"type": "response.create"})
+            await ask(conn)
             await until(conn, "response.output_audio.delta")
             await conn.send({"type": "response.cancel"})
             done = await until(conn, "response.done")
@@ -264,9 +265,7 @@ def test_a_response_to_nothing_new_fails_and_edits_wait_for_the_response(parts) 
     async def body(url, server):
         async with client(url).realtime.connect(model="gpt-realtime") as conn:
             await manual(conn)
-            await append(conn, speech(0.6))
-            await conn.send({"type": "input_audio_buffer.commit"})
-            await conn.send({"type": "response.create"})
+            await ask(conn)
             user = await until(conn, "input_audio_buffer.committed")
             await until(conn, "response.output_audio.delta")
             await conn.send({"type": "conversation.item.delete", "item_id": user.item_id})

@@ -9,11 +9,10 @@ import base64
 import contextlib
 
 import numpy as np
-from test_realtime import OPTIONS, append, client, manual, manual_turn, until
+from test_realtime import OPTIONS, append, ask, client, manual, manual_turn, until
 from test_server import run_with_server, speech
 
 from s2s import Engine, EngineConfig
-from server.app import ChatServer
 from server.speech import synthesize
 
 FRAME = 320  # samples in a codec frame at 24 kHz
@@ -51,26 +50,6 @@ async def stop(task: asyncio.Task) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
-
-
-def serve(parts, body, voices: dict[str, np.ndarray], **engine_kw):
-    """`run_with_server` with voice prompts registered before the server starts."""
-    model, tok = parts
-    engine_kw.setdefault("max_reply_frames", 20)
-    cfg = EngineConfig(num_pages=512, max_context=1024, calibration_ticks=0, **engine_kw)
-
-    async def main():
-        engine = Engine(model, tok, cfg)
-        for name, codes in voices.items():
-            engine.add_voice(name, codes)
-        server = ChatServer(engine, OPTIONS)
-        port = await server.start()
-        try:
-            return await body(f"ws://127.0.0.1:{port}", server)
-        finally:
-            await server.stop()
-
-    return asyncio.run(main())
 
 
 QUESTION = "Good morning, can you hear me?"
@@ -134,9 +113,7 @@ def test_server_vad_without_interrupt_response_lets_the_response_finish(parts) -
 
 async def reply_playing(conn, seed: int = 0, frames: int = 20) -> list:
     """Manual mode: append, commit, ask for a response; the events until `frames` frames of it came."""
-    await append(conn, speech(0.6, seed))
-    await conn.send({"type": "input_audio_buffer.commit"})
-    await conn.send({"type": "response.create"})
+    await ask(conn, seed=seed)
     seen: list = []
     async with asyncio.timeout(30):
         while frames_in(seen) < frames:
@@ -239,9 +216,7 @@ def test_response_metadata_is_echoed_and_what_cannot_be_answered_is_refused(part
     async def body(url, server):
         async with client(url).realtime.connect(model="gpt-realtime") as conn:
             await manual(conn)
-            await append(conn, speech(0.6))
-            await conn.send({"type": "input_audio_buffer.commit"})
-            await conn.send({"type": "response.create", "response": {"metadata": {"client_event_id": "x1"}}})
+            await ask(conn, response={"metadata": {"client_event_id": "x1"}})
             created = await until(conn, "response.created")
             assert created.response.metadata == {"client_event_id": "x1"}
             done = await until(conn, "response.done")
@@ -250,9 +225,7 @@ def test_response_metadata_is_echoed_and_what_cannot_be_answered_is_refused(part
             await conn.send({"type": "response.create"})  # no new audio
             assert (await until(conn, "error")).error.code == "no_input"
 
-            await append(conn, speech(0.6, seed=1))
-            await conn.send({"type": "input_audio_buffer.commit"})
-            await conn.send({"type": "response.create"})
+            await ask(conn, seed=1)
             await conn.send({"type": "response.create"})
             seen: list = []
             error = await until(conn, "error", seen)
@@ -315,7 +288,7 @@ def test_a_voice_prompt_is_chosen_before_audio_and_not_after(parts) -> None:
             assert (await until(conn, "session.updated")).session.audio.output.voice == "alice"
             assert list(server.engine.sessions.values()) == [s] and s.prompt_frames == 20
 
-    serve(parts, body, {"alice": codes})
+    run_with_server(parts, body, OPTIONS, voices={"alice": codes})
 
 
 BETA_SESSION = {

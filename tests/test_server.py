@@ -24,14 +24,18 @@ def speech(seconds: float, seed: int = 0) -> np.ndarray:
     return (0.2 * np.sin(2 * np.pi * 180 * t) * (0.5 + 0.5 * rng.random(len(t)))).astype(np.float32)
 
 
-def run_with_server(parts, body, options: ServerOptions | None = None, **engine_kw):
-    """Start an engine and a server on a free port, run `body(url, server)`, stop everything."""
+def run_with_server(parts, body, options: ServerOptions | None = None, voices: dict | None = None, **engine_kw):
+    """Start an engine (with `voices`: name -> prompt codes) and a server on a free port, run `body(url, server)`,
+    stop everything."""
     model, tok = parts
     engine_kw.setdefault("max_reply_frames", 20)
     cfg = EngineConfig(num_pages=512, max_context=1024, calibration_ticks=0, **engine_kw)
 
     async def main():
-        server = ChatServer(Engine(model, tok, cfg), options or ServerOptions(port=0))
+        engine = Engine(model, tok, cfg)
+        for name, codes in (voices or {}).items():
+            engine.add_voice(name, codes)
+        server = ChatServer(engine, options or ServerOptions(port=0))
         port = await server.start()
         try:
             return await body(f"ws://127.0.0.1:{port}", server)

@@ -120,11 +120,9 @@ class RealtimeSession:
             "response.create": lambda e: self._respond(e.get("response") or {}),
             "response.cancel": self._cancel,
             "output_audio_buffer.clear": self._clear_output,
-        }.get(request.type)
+        }.get(kind := request.event["type"])
         if handler is None:
-            raise ProtocolError(
-                f"{request.type} is not supported: this model hears and speaks audio only", "unsupported_event"
-            )
+            raise ProtocolError(f"{kind} is not supported: this model hears and speaks audio only", "unsupported_event")
         await handler(request.event)
 
     async def close(self) -> None:

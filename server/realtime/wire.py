@@ -76,7 +76,7 @@ class RealtimeWire:
         if kind not in CLIENT_EVENTS:
             raise ProtocolError(f"unknown event type {kind!r}", "unknown_event")
         if kind != "input_audio_buffer.append":
-            return Request(kind, event)
+            return Request(event)
         audio = event.get("audio")
         if not isinstance(audio, str):
             raise ProtocolError("input_audio_buffer.append needs 'audio': base64 pcm16", "invalid_audio")
