@@ -199,11 +199,14 @@ class _Reader:
             if key not in {f.name for f in dataclasses.fields(ServerVad)}:
                 self.problems.append(f"{name}.{key}: not supported")
                 continue
-            want = bool if key.endswith("_response") else (float if key == "threshold" else int)
-            if not isinstance(v, want) or (want is not bool and isinstance(v, bool)):
-                if not (want is float and isinstance(v, int) and not isinstance(v, bool)):
-                    self.problems.append(f"{name}.{key}: must be a {want.__name__}, got {v!r}")
-                    continue
+            if key.endswith("_response"):
+                kind, ok = "true or false", isinstance(v, bool)
+            else:  # (a JSON true is an int to Python)
+                kind = "a number" if key == "threshold" else "a whole number"
+                ok = not isinstance(v, bool) and isinstance(v, int | float if key == "threshold" else int)
+            if not ok:
+                self.problems.append(f"{name}.{key}: must be {kind}, got {v!r}")
+                continue
             settings[key] = v
         new = replace(td, **settings)
         if not (
