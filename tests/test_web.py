@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 from tests_support import ServerThread
 
+from bench import web_bench
 from bench.browser import CHROMIUM, open_page
 from s2s import Engine, EngineConfig
 from server.app import ChatServer, ServerOptions
-from server.audio import save_wav
-from server.speech import synthesize
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (scripts/setup.sh installs it)")
 ROWS = "[...document.querySelectorAll('#turns tbody tr')].map(r => [...r.cells].map(c => c.textContent))"
@@ -35,10 +34,7 @@ WAV = """(async () => {
 
 @pytest.fixture(scope="module")
 def microphone(tmp_path_factory) -> Path:
-    wav = tmp_path_factory.mktemp("mic") / "mic.wav"
-    speech = synthesize("Hello there, can you hear me?")
-    save_wav(wav, np.concatenate([np.zeros(12000, np.float32), speech, np.zeros(72000, np.float32)]))
-    return wav
+    return web_bench.microphone(tmp_path_factory.mktemp("mic"), web_bench.SENTENCES[:1])
 
 
 def serve(parts, body, options: ServerOptions | None = None, voices: dict | None = None, **engine_kw):
@@ -169,15 +165,13 @@ def test_the_page_over_https_talks_over_wss(parts, microphone: Path, tmp_path: P
 
 def test_the_bench_writes_the_screenshots_idle_and_mid_turn(parts, tmp_path: Path) -> None:
     """`s2s bench web`'s conversation, against this test's server: the README's pictures come from it."""
-    from bench.web_bench import SENTENCES, conversation, microphone
-
     cfg = parts[0].config
     voice = {"ada": np.random.default_rng(0).integers(0, cfg.codebook_size, (cfg.num_codebooks, 20))}
     shots = {"idle": tmp_path / "idle.png", "talking": tmp_path / "talking.png"}
-    mic = microphone(tmp_path, SENTENCES[:2])
+    mic = web_bench.microphone(tmp_path, web_bench.SENTENCES[:2])
 
     async def body(url, engine):
-        return await conversation(url, mic, "turn", "pcm16", 2, shots)
+        return await web_bench.conversation(url, mic, "turn", "pcm16", 2, shots)
 
     row = serve(parts, body, voices=voice)
     assert row["answered"] == 2 and row["problem"] is None, row
