@@ -8,12 +8,12 @@
    refusal (the client's limit of open conversations, `PerClient`; the engine's admission; the cascade's
    speech-to-text) is told "refused: REASON" and closed with 1013 and the reason.
 3. `wire.opened(session.info)` goes out; the receive loop reads messages until the client goes: the wire parses
-   each into `Audio` or `EndTurn` (a bad one is told and dropped). Audio goes on in slices of 80 ms, each paced in
-   real time: past the burst, a long message is fed over as long as it lasts, not in one tick, and no more of it
-   once the client is gone. Each slice runs through the session's VAD, if it has one (its settings may change
-   between messages), where speech over a reply is a barge-in with what the client has heard (`Playback`) and
-   silence after speech ends the turn. A protocol's own requests (`Request`: the Realtime API's events) go to the
-   session. Messages and their bytes are paced too, whether or not they parse.
+   each into `Audio`, `EndTurn`, `Stream` or `Request` (a bad one is told and dropped). Audio goes on in slices of
+   80 ms, each paced in real time: past the burst, a long message is fed over as long as it lasts, not in one tick,
+   and no more of it once the client is gone. Each slice runs through the session's VAD, if it has one (its
+   settings may change between messages), where speech over a reply is a barge-in with what the client has heard
+   (`Playback`) and silence after speech ends the turn. A protocol's own requests (`Request`: the Realtime API's
+   events) go to the session. Messages and their bytes are paced too, whether or not they parse.
    A client that sends no audio for `Limits.idle_timeout_s` (counted from open; a reply still playing to it is
    not idle) is told "idle: ..." and closed with 1008.
 4. However the socket ended, the session closes.
