@@ -36,7 +36,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from bench.cascade import serve as cascade_serve
 from bench.common import (
@@ -55,6 +55,7 @@ from bench.common import (
 from codec.tokenizer import FRAME_SIZE, SAMPLE_RATE
 from s2s import ModelConfig
 from server import protocol
+from server.client import refusal_of
 from server.process import ServerProcess
 from server.protocol import BLOCK, Kind, metadata_of
 from server.realtime.wire import pcm16_base64
@@ -115,6 +116,14 @@ class TurnResult:
     errors: list[str] = field(default_factory=list)
 
 
+def refused_at_upgrade(result: TurnResult, e: InvalidStatus) -> TurnResult:
+    """A connect the server answered with an HTTP error instead of the upgrade: a refusal when it is full or drains
+    (503) or the client holds its limit (429), the body its reason ("refused: REASON"); an error otherwise."""
+    result.refused = e.response.status_code in (429, 503)
+    result.errors.append(refusal_of(e))
+    return result
+
+
 async def speak(
     ws, clip: Clip, start: float, timeout_s: float, done: asyncio.Event, message: Callable[[np.ndarray], bytes | str]
 ) -> list[float]:
@@ -148,7 +157,11 @@ async def one_turn(url: str, clip: Clip, system: str, query: str, timeout_s: flo
     done = asyncio.Event()
     meta: dict = {}
 
-    async with connect(f"{url}/api/chat?{query}", max_size=None) as ws:
+    try:
+        ws = await connect(f"{url}/api/chat?{query}", max_size=None)
+    except InvalidStatus as e:
+        return refused_at_upgrade(result, e)
+    async with ws:
 
         async def receive() -> None:
             nonlocal received, first_audio
@@ -222,11 +235,15 @@ async def one_realtime_turn(url: str, clip: Clip, silence_ms: float, timeout_s: 
     result = TurnResult()
     first_audio: float | None = None
     done = asyncio.Event()
-    async with connect(f"{url}/v1/realtime?model=s2s", max_size=None) as ws:
+    try:
+        ws = await connect(f"{url}/v1/realtime?model=s2s", max_size=None)
+    except InvalidStatus as e:
+        return refused_at_upgrade(result, e)
+    async with ws:
         vad = {"type": "server_vad", "silence_duration_ms": int(silence_ms)}
         update = {"type": "session.update", "session": {"audio": {"input": {"turn_detection": vad}}, "seed": 1}}
         async with asyncio.timeout(timeout_s):
-            for expected in ("session.created", "session.updated"):  # a refusal comes first, then the close
+            for expected in ("session.created", "session.updated"):  # a late refusal comes first, then the close
                 if (event := json.loads(await ws.recv()))["type"] != expected:
                     result.refused = event.get("error", {}).get("code") == "refused"
                     result.errors.append(event.get("error", {}).get("message", str(event)))

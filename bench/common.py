@@ -8,7 +8,6 @@ import os
 import platform
 import resource
 import time
-import urllib.request
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from s2s import placement
+from server.scrape import scrape as scrape  # the benchmarks' import of it
 
 RESULTS_DIR = Path(__file__).parent / "results"
 # what the simulated users say (espeak-ng speaks them)
@@ -103,18 +103,6 @@ def markdown_table(rows: Iterable[dict], columns: Sequence[tuple[str, str]]) -> 
         vals = [row.get(k, "") for k, _ in columns]
         lines.append("| " + " | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in vals) + " |")
     return "\n".join(lines)
-
-
-def scrape(url: str) -> dict[str, float]:
-    """The server's /metrics as {name or name{labels}: value}."""
-    with urllib.request.urlopen(url.replace("ws://", "http://") + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def write_json(path: Path | None, rows: list[dict]) -> None:

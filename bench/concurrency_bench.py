@@ -68,7 +68,8 @@ def utterances(seconds: float, count: int) -> list[np.ndarray]:
 
 
 def _refusal(errors: list[str]) -> str | None:
-    """The server's reason for refusing the conversation (it names the predicted tick time), or None."""
+    """The server's reason for refusing the conversation (it names the predicted tick time), or None: "refused:
+    REASON", the body of the 503 that answers the upgrade (`talk` keeps it), or an error message after it."""
     return next((e for e in errors if "refused" in e), None)
 
 

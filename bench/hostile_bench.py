@@ -34,6 +34,7 @@ import contextlib
 import os
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable
@@ -48,7 +49,7 @@ from bench.common import add_device_args, device_server_args, environment, parse
 from bench.concurrency_bench import rss_bytes, utterances
 from codec.tokenizer import SAMPLE_RATE
 from server import protocol
-from server.client import talk
+from server.client import refusal_of, talk
 from server.process import ServerProcess
 from server.protocol import BLOCK, Kind
 
@@ -108,7 +109,8 @@ class Listener:
 
 
 async def attempt(url: str, query: str, origin: str | None = None) -> str:
-    """What a request for a conversation got: "HTTP STATUS" (refused at the upgrade), "opened", or how it closed."""
+    """What a request for a conversation got: "HTTP STATUS" (refused at the upgrade; with the body for a full or
+    draining server, 503, or a client at its limit, 429: "refused: REASON"), "opened", or how it closed."""
     try:
         async with connect(f"{url}/api/chat?{query}", origin=origin) as ws:
             heard = Listener(ws)
@@ -117,7 +119,8 @@ async def attempt(url: str, query: str, origin: str | None = None) -> str:
             await heard.task
             return heard.said()
     except InvalidStatus as e:
-        return f"HTTP {e.response.status_code}"
+        status = e.response.status_code
+        return f"HTTP {status}" + (f" {refusal_of(e)!r}" if status in (429, 503) else "")
 
 
 def yes_no(outcome: str) -> str:
@@ -125,8 +128,11 @@ def yes_no(outcome: str) -> str:
 
 
 def server_header(url: str) -> str:
-    with urllib.request.urlopen(url.replace("ws://", "http://") + "/healthz", timeout=10) as r:
-        return r.headers.get("Server", "(none)")
+    try:
+        with urllib.request.urlopen(url.replace("ws://", "http://") + "/healthz", timeout=10) as r:
+            return r.headers.get("Server", "(none)")
+    except urllib.error.HTTPError as e:  # 503 while the server would refuse a conversation: the header is there too
+        return e.headers.get("Server", "(none)")
 
 
 async def stall(url: str, speech: np.ndarray, big: bool) -> tuple[float, int, str]:

@@ -5,8 +5,8 @@
 `s2s serve --preset tiny` runs in a child process (seeded weights, 4-frame ticks, replies of at most 3 s, two shared
 voice prompts from espeak-ng in a `--prompts` folder). A probe opens conversations whose microphones stream
 silence (admission charges a conversation as a real-time stream while its audio comes in or it replies), one at a
-time, until admission refuses one (1013), and closes them: that count is the capacity admission reports (probed
-again at the end: the cost model learns as it serves).
+time, until admission refuses one (503 before the upgrade), and closes them: that count is the capacity admission
+reports (probed again at the end: the cost model learns as it serves).
 `--load` of it are kept live in waves (`--wave-minutes`): a client that leaves is replaced at once, and at a
 wave's end every client leaves and the pages are checked. The clients (asyncio, in this process, pcm16) follow
 seeded plans (`bench/soak/plans.py`): duplex or turn mode, a shared voice or none, 2-4 turns of espeak-ng speech

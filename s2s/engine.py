@@ -147,6 +147,11 @@ class Engine:
         self._commands.put(functools.partial(self._apply_open, s, prompt, resume))
         return s.id
 
+    def admission_problem(self, count: bool = False) -> str | None:
+        """Why `open` would refuse a conversation now, or None: for a server that refuses before it accepts a
+        connection (`count`: that refusal counts in `stats.refused`), and for its health check."""
+        return self.registry.problem(count)
+
     def push_audio(self, cid: str, pcm: np.ndarray) -> None:
         """User PCM (float32, 24 kHz, any length, in [-1, 1]); encoded in the next tick with everyone else's. Bad
         samples raise `ValueError` here, in the caller's thread: the codec would raise in the engine's."""

@@ -57,12 +57,7 @@ class Registry:
                 raise KeyError(f"no closed session {session_id!r} to resume (never opened, or older than the TTL)")
             if session_id in self._open:
                 raise ValueError(f"session {session_id!r} is already open")
-            now = self.clock()
-            streams = sum(s.streaming(now) for s in self._open.values())
-            reason = self.admission.problem(len(self._open), streams) if admit else None
-            if reason is None and not self._free_rows:
-                reason = f"the engine holds its maximum of {len(self._open)} conversations (one a codec row)"
-            if reason:
+            if reason := self._problem(admit):
                 self.stats.refused += 1
                 raise Refused(reason)
             cid = session_id or f"s{next(self._ids)}"
@@ -71,6 +66,23 @@ class Registry:
             self._open[cid] = s
             self._resumable.pop(cid, None)
             return s
+
+    def problem(self, count: bool) -> str | None:
+        """Why `admit` would refuse a session now, or None. `count`: a refusal made on this answer (a server's,
+        before it accepts a connection) counts in `stats.refused`, as `admit`'s own do."""
+        with self._lock:
+            reason = self._problem(admit=True)
+            if reason and count:
+                self.stats.refused += 1
+            return reason
+
+    def _problem(self, admit: bool) -> str | None:
+        now = self.clock()
+        streams = sum(s.streaming(now) for s in self._open.values())
+        reason = self.admission.problem(len(self._open), streams) if admit else None
+        if reason is None and not self._free_rows:
+            reason = f"the engine holds its maximum of {len(self._open)} conversations (one a codec row)"
+        return reason
 
     def get(self, cid: str) -> Session:
         s = self._open.get(cid)

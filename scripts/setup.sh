@@ -10,9 +10,10 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     command -v espeak-ng >/dev/null || missing="$missing espeak-ng"
     command -v sox >/dev/null || missing="$missing sox"
     command -v chromium >/dev/null || missing="$missing chromium"
+    command -v haproxy >/dev/null || missing="$missing haproxy"
     if [ -n "$missing" ]; then
         apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null \
-            || echo "setup: could not install$missing; tests fall back to the speech sample in tests/data" >&2
+            || echo "setup: could not install$missing; tests fall back to the speech sample, the cluster's skip" >&2
     fi
 fi
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import socket
 import ssl
 import urllib.parse
 from dataclasses import dataclass, field, replace
@@ -22,7 +23,7 @@ from http import HTTPStatus
 from pathlib import Path
 
 import numpy as np
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
@@ -58,6 +59,8 @@ class ServerOptions:
     served_model_name: str | None = None  # the one `model` a Realtime client may ask for; None: any
     ssl_certfile: Path | None = None  # with `ssl_keyfile`: https and wss (a browser elsewhere needs it for its mic)
     ssl_keyfile: Path | None = None
+    replica_id: str = field(default_factory=socket.gethostname)  # told to each client at open (placement)
+    forwarded_allow_ips: list[str] = field(default_factory=list)  # proxies whose X-Forwarded-For names the client
 
     def __post_init__(self) -> None:
         if self.token == "":  # would otherwise read as "no token": authentication off, silently
@@ -155,8 +158,15 @@ class ChatServer:
         }
         self.registry.register(_EngineCollector(engine))
         self.registry.register(self.gate)
-        self.clients = PerClient(self.options.limits.max_conversations_per_client)
+        self.clients = PerClient(self.options.limits.max_conversations_per_client, self.options.forwarded_allow_ips)
+        self.draining = False
+        self._draining = Gauge("s2s_draining", "1 while this replica takes no new conversation", registry=self.registry)
         self._server: Server | None = None
+
+    def drain(self) -> None:
+        """Take no new conversation (the health check and every upgrade answer 503); the live ones go on."""
+        self.draining = True
+        self._draining.set(1)
 
     async def start(self) -> int:
         """Start the engine thread and listen; returns the port (useful with port 0)."""
@@ -185,8 +195,13 @@ class ChatServer:
 
     def _http(self, connection: ServerConnection, request: Request) -> Response | None:
         path = request.path.partition("?")[0]
-        if path == "/healthz":
-            return connection.respond(HTTPStatus.OK, "ok\n")
+        if path == "/healthz":  # a load balancer's question: can this replica take a conversation now?
+            problem = "draining" if self.draining else self.engine.admission_problem()
+            return (
+                connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, f"{problem}\n")
+                if problem
+                else (connection.respond(HTTPStatus.OK, "ok\n"))
+            )
         if path == "/metrics":
             body = generate_latest(self.registry)
             return Response(200, "OK", Headers([("Content-Type", "text/plain; version=0.0.4")]), body)
@@ -197,8 +212,27 @@ class ChatServer:
             return Response(200, "OK", Headers([("Content-Type", "application/json")]), body)
         if path not in self.endpoints:
             return connection.respond(HTTPStatus.NOT_FOUND, "not found\n")
-        refused = refusal(request, self.options)
-        return connection.respond(*refused) if refused else None
+        if refused := refusal(request, self.options):
+            return connection.respond(*refused)
+        if busy := self.busy(connection, request):
+            response = connection.respond(*busy)
+            response.headers["Retry-After"] = "1"
+            return response
+        return None
+
+    def busy(self, connection: ServerConnection, request: Request) -> tuple[HTTPStatus, str] | None:
+        """Why a connection that may connect cannot be served now, told before the upgrade (with `Retry-After`), so
+        that a load balancer can try another replica (HAProxy's `retry-on 503`): 503 while this replica drains or
+        its engine would refuse a conversation, 429 while the client holds its limit of them."""
+        if self.draining:
+            return HTTPStatus.SERVICE_UNAVAILABLE, "refused: this replica is draining\n"
+        client = self.clients.address(connection.remote_address, request.headers)
+        if reason := self.clients.problem(client):
+            return HTTPStatus.TOO_MANY_REQUESTS, f"refused: {reason}\n"
+        upgrade = request.headers.get("Upgrade", "").lower() == "websocket"  # a plain GET is no refused conversation
+        if reason := self.engine.admission_problem(count=upgrade):
+            return HTTPStatus.SERVICE_UNAVAILABLE, f"refused: {reason}\n"
+        return None
 
     def _page_file(self, connection: ServerConnection, name: str) -> Response:
         """A file of the web page (`server/web/`): only those, by name, never a path out of it."""
@@ -219,4 +253,4 @@ class ChatServer:
 
     async def _connect(self, ws: ServerConnection) -> None:
         endpoint = self.endpoints[urllib.parse.urlsplit(ws.request.path).path]
-        await serve_connection(ws, endpoint, self.options.limits, self.clients)
+        await serve_connection(ws, endpoint, self.options.limits, self.clients, self.options.replica_id)

@@ -7,6 +7,7 @@ import importlib.util
 import pkgutil
 import runpy
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -183,6 +184,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         action="append",
         help="a browser origin allowed besides the server's own, e.g. https://app.example (repeatable)",
     )
+    p.add_argument("--replica-id", default=socket.gethostname(), help="this server's name, told to each client")
+    p.add_argument(
+        "--forwarded-allow-ips",
+        action="append",
+        help="a proxy's address whose X-Forwarded-For names the client, for the per-client limit (repeatable)",
+    )
     p.add_argument("--vad-silence", type=float, default=0.5, help="turn mode: seconds of silence that end a turn")
     p.add_argument(
         "--vad-min-speech",
@@ -259,6 +266,8 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
             served_model_name=args.served_model_name,
             ssl_certfile=args.ssl_certfile,
             ssl_keyfile=args.ssl_keyfile,
+            forwarded_allow_ips=args.forwarded_allow_ips or [],
+            replica_id=args.replica_id,
         )
     except ValueError as e:
         raise SystemExit(f"bad server options: {e}") from None
@@ -266,13 +275,15 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
 
 async def serve_until_sigterm(server: ChatServer, note: Callable[[], str] | None = None) -> None:
     """Start `server`, print `note()` (if any) and the "serving" line `ServerProcess` waits for, serve until
-    SIGTERM, then stop it."""
+    SIGTERM, then stop it. SIGUSR1 drains it (`ChatServer.drain`: `s2s cluster drain`)."""
     import asyncio
 
     from server.gc_pause import freeze_startup_heap
 
     stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)  # `ServerProcess` stops it so
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)  # `ServerProcess` stops it so
+    loop.add_signal_handler(signal.SIGUSR1, server.drain)
     port = await server.start()
     freeze_startup_heap()  # the process is a server from here: see server/gc_pause.py
     try:
@@ -358,6 +369,10 @@ async def _demo(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["cluster"]:  # its own parser: options of `s2s serve` pass through it to the replicas
+        from server.cluster.cli import main as cluster
+
+        return cluster(argv[1:])
     p = argparse.ArgumentParser(prog="s2s", description="Speech-to-speech serving engine")
     sub = p.add_subparsers(dest="command", required=True)
     rt = sub.add_parser("roundtrip", help="stream real speech through the codec and back")
@@ -379,6 +394,7 @@ def main(argv: list[str] | None = None) -> None:
     dm = sub.add_parser("demo", help="start a server on the offline default and hold a conversation with it")
     add_engine_args(dm)
     dm.add_argument("--out", type=Path, default=Path("out/demo_reply.wav"))
+    sub.add_parser("cluster", help="replicas behind HAProxy (s2s cluster --help), and status, add, drain")
     b = sub.add_parser("bench", help="run a benchmark from bench/ (s2s bench NAME --help)")
     b.add_argument("name", help="one of: " + ", ".join(_bench_names()))
     b.add_argument("rest", nargs=argparse.REMAINDER)

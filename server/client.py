@@ -11,12 +11,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import sphn
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from server import protocol
 from server.protocol import BLOCK, Control, Kind, metadata_of
 
 SAMPLE_RATE = 24000
+
+
+def refusal_of(e: InvalidStatus) -> str:
+    """What a server that answered the upgrade with an HTTP error says: "refused: REASON" for a full or draining
+    one (503, or 429 for a client at its limit), or the status."""
+    body = e.response.body.decode(errors="replace").strip()
+    return body or f"HTTP {e.response.status_code}"
 
 
 @dataclass
@@ -53,7 +60,12 @@ async def talk(
     end_of_speech: float | None = None
     reply_done = asyncio.Event()
 
-    async with connect(f"{url}/api/chat?{query}", max_size=None) as ws:
+    try:
+        ws = await connect(f"{url}/api/chat?{query}", max_size=None)
+    except InvalidStatus as e:  # refused before the upgrade
+        result.errors.append(refusal_of(e))
+        return result
+    async with ws:
 
         async def receive() -> None:
             try:

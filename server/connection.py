@@ -1,13 +1,15 @@
 """The connection core: one websocket from request to close, whatever its protocol and whatever answers it.
 
-`serve_connection(ws, endpoint, limits)`, top to bottom:
+`serve_connection(ws, endpoint, limits, clients, replica)`, top to bottom (a server refuses what it can before the
+upgrade: `ChatServer`'s `busy`):
 
 1. `endpoint.accept(query, headers)` reads the request: the connection's `Wire` (the protocol's framing) and how to
    open its `Session`. A bad request is told (`endpoint.error`) and closed with 1008.
 2. `wire.handshake()` goes out (Moshi's handshake; a JSON-event protocol has none), then the session opens. A
-   refusal (the client's limit of open conversations, `PerClient`; the engine's admission; the cascade's
-   speech-to-text) is told "refused: REASON" and closed with 1013 and the reason.
-3. `wire.opened(session.info)` goes out; the receive loop reads messages until the client goes: the wire parses
+   refusal that the server could not foresee before the upgrade (the cascade's speech-to-text, or a race with
+   another connection) is told "refused: REASON" and closed with 1013 and the reason.
+3. `wire.opened(session.info)` goes out, with the id of the replica that serves it (`s2s cluster`'s placement);
+   the receive loop reads messages until the client goes: the wire parses
    each into `Audio`, `EndTurn`, `Stream` or `Request` (a bad one is told and dropped). Audio goes on in slices of
    80 ms, each paced in real time: past the burst, a long message is fed over as long as it lasts, not in one tick,
    and no more of it once the client is gone. Each slice runs through the session's VAD, if it has one (its
@@ -29,7 +31,7 @@ import contextlib
 import time
 import urllib.parse
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -212,18 +214,31 @@ class Connection:
 
 
 class PerClient:
-    """Open conversations by client (the peer's IP address), at most `limit` each (0: no limit): one machine's
-    connections that do nothing cannot take every slot. Behind a proxy, every client has the proxy's address."""
+    """Open conversations by client, at most `limit` each (0: no limit): one machine's connections that do nothing
+    cannot take every slot. A client is its IP address: the peer's, or, where the peer is one of `proxies` (a
+    load balancer such as `s2s cluster`'s HAProxy), the address that proxy names last in `X-Forwarded-For`."""
 
-    def __init__(self, limit: int):
-        self.limit, self.open = limit, Counter()
+    def __init__(self, limit: int, proxies: Iterable[str] = ()):
+        self.limit, self.proxies, self.open = limit, frozenset(proxies), Counter()
+
+    def address(self, peer: tuple | None, headers: Headers) -> str:
+        """The client's address, from the socket's peer (None if it went before asyncio asked) and the request."""
+        address = (peer or ("",))[0]
+        if address in self.proxies and (forwarded := headers.get_all("X-Forwarded-For")):
+            return forwarded[-1].rpartition(",")[2].strip()
+        return address
+
+    def problem(self, client: str) -> str | None:
+        """Why `client` may not open another conversation now, or None."""
+        if self.limit and self.open[client] >= self.limit:
+            return f"this client has {self.limit} conversations open, the most one client may"
+        return None
 
     @contextlib.contextmanager
-    def conversation(self, ws: ServerConnection) -> Iterator[None]:
+    def conversation(self, client: str) -> Iterator[None]:
         """Hold one of the client's conversations; `Refused` past the limit."""
-        client = (ws.remote_address or ("",))[0]  # None if the socket went before asyncio asked for its peer
-        if self.limit and self.open[client] >= self.limit:
-            raise Refused(f"this client has {self.limit} conversations open, the most one client may")
+        if reason := self.problem(client):
+            raise Refused(reason)
         self.open[client] += 1
         try:
             yield
@@ -252,7 +267,9 @@ class Pace:
                 await asyncio.wait_for(conn.ws.wait_closed(), ahead)
 
 
-async def serve_connection(ws: ServerConnection, endpoint: Endpoint, limits: Limits, clients: PerClient) -> None:
+async def serve_connection(
+    ws: ServerConnection, endpoint: Endpoint, limits: Limits, clients: PerClient, replica: str
+) -> None:
     query = {k: v[0] for k, v in urllib.parse.parse_qs(urllib.parse.urlsplit(ws.request.path).query).items()}
     try:
         wire, open_session = endpoint.accept(query, ws.request.headers)
@@ -265,7 +282,7 @@ async def serve_connection(ws: ServerConnection, endpoint: Endpoint, limits: Lim
         await ws.send(hello)
     with contextlib.ExitStack() as held:
         try:
-            held.enter_context(clients.conversation(ws))
+            held.enter_context(clients.conversation(clients.address(ws.remote_address, ws.request.headers)))
             session = await open_session(conn)
         except Refused as e:
             await conn.send_error(f"refused: {e}", "refused")
@@ -273,7 +290,7 @@ async def serve_connection(ws: ServerConnection, endpoint: Endpoint, limits: Lim
             return
         idle = asyncio.create_task(_close_when_idle(conn, limits.idle_timeout_s))
         try:
-            await ws.send(wire.opened(session.info))
+            await ws.send(wire.opened({**session.info, "replica": replica}))
             await _receive(conn, session, limits)
         except ConnectionClosed:
             pass

@@ -5,19 +5,21 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+from collections import deque
 
 
 class ServerProcess:
-    """Start `s2s serve ARGS --port 0` (or `python -m MODULE ARGS --port 0`, another server on
-    `server.cli.serve_until_sigterm`), wait for its "serving" line, give its ws:// URL; stop it on exit.
+    """Start `s2s serve --port 0 ARGS` (or `s2s SUBCOMMAND`, or `python -m MODULE --port 0 ARGS`, another server on
+    `server.cli.serve_until_sigterm`), wait for its "serving" line, give its ws:// URL; stop it on exit. A `--port`
+    in ARGS wins over 0.
 
     The server's output is kept (`output`) so a failure can show it.
     """
 
-    def __init__(self, *args: str, module: str | None = None, timeout_s: float = 120.0):
-        self.command = ["-m", module] if module else ["-m", "server.cli", "serve"]
+    def __init__(self, *args: str, module: str | None = None, subcommand: str = "serve", timeout_s: float = 120.0):
+        self.command = ["-m", module] if module else ["-m", "server.cli", subcommand]
         self.args, self.timeout_s = [str(a) for a in args], timeout_s
-        self.lines: list[str] = []
+        self.lines: deque[str] = deque(maxlen=10_000)  # the last of them: a replica of `s2s cluster` runs for days
         self.proc: subprocess.Popen | None = None
 
     @property

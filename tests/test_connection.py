@@ -94,11 +94,14 @@ class StandIn:
 
 
 async def with_core(endpoint: StandIn, client) -> None:
-    async with serve(lambda ws: serve_connection(ws, endpoint, Limits(), PerClient(0)), "127.0.0.1", 0) as server:
+    async with serve(
+        lambda ws: serve_connection(ws, endpoint, Limits(), PerClient(0), "replica-a"), "127.0.0.1", 0
+    ) as server:
         await client(f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}")
 
 
 def test_a_refusal_closes_1013_with_its_reason_and_a_bad_request_1008() -> None:
+    """A refusal the server could not foresee before the upgrade (the session's own `Refused`) is told after it."""
     reason = "no K/V memory for another conversation"
 
     async def client(url: str) -> None:
@@ -125,7 +128,8 @@ def test_the_receive_loop_feeds_the_session_tells_bad_messages_and_closes_it_onc
     async def client(url: str) -> None:
         async with connect(f"{url}/?codec=pcm16") as ws:
             assert (await ws.recv())[0] == Kind.HANDSHAKE
-            assert protocol.metadata_of(await ws.recv()) == {"session": "r0", "mode": "turn", "codec": "pcm16"}
+            opened = protocol.metadata_of(await ws.recv())
+            assert opened == {"session": "r0", "mode": "turn", "codec": "pcm16", "replica": "replica-a"}
             await ws.send(protocol.audio(pcm.tobytes()))
             await ws.send(protocol.audio(b"\x00\x01\x02"))  # odd length: not PCM16
             assert await ws.recv() == protocol.error("audio payload is not valid PCM16")

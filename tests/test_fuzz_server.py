@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 from test_hostile_input import opus_messages
 from test_server import run_with_server, speech
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from cache.base import CacheStats
 from server import protocol
-from server.client import ClientResult, talk
+from server.client import ClientResult, refusal_of, talk
 from server.protocol import Control, Kind
 
 PARAMETERS = ["mode", "codec", "voice", "token", "temperature", "top_k", "top_p", "seed"]
@@ -72,7 +72,13 @@ HEALTHY = speech(2.0)
 
 
 async def one_request(url: str, query: str, frames: list[bytes | str]) -> None:
-    async with connect(f"{url}/api/chat?{query}") as ws:
+    try:
+        ws = await connect(f"{url}/api/chat?{query}")
+    except InvalidStatus as e:  # refused before the upgrade (the engine full): told why, in the body
+        assert e.response.status_code in (429, 503), refusal_of(e)
+        assert refusal_of(e).startswith("refused: "), f"refused untold: {refusal_of(e)}"
+        return
+    async with ws:
         with contextlib.suppress(ConnectionClosed):  # the server may close at any point, with a reason
             for frame in frames:
                 await ws.send(frame)

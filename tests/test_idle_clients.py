@@ -1,7 +1,8 @@
 """Issue 20, part 4: idle and abusive clients against a real server (`tiny`). Idle websockets and half-sent HTTP
 requests from one address leave a client from another address served; an idle connection is told and closed after
 the idle timeout (only audio counts, and a reply still playing is not idle); one address past its limit of open
-conversations is refused as an admission refusal is; a half-sent request is cut after the handshake timeout."""
+conversations is refused before the upgrade (429, the reason in the body, `Retry-After`); a half-sent request is cut
+after the handshake timeout."""
 
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ import pytest
 from test_hostile_access import told_and_closed
 from test_server import run_with_server, speech
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from codec.tokenizer import SAMPLE_RATE
 from server import protocol
 from server.app import ServerOptions
 from server.cli import add_server_args, server_options
+from server.client import refusal_of
 from server.connection import Limits
 from server.protocol import BLOCK, Control, Kind, metadata_of
 
@@ -34,6 +36,11 @@ async def opened(ws: ClientConnection) -> tuple[bool, str]:
     assert (await asyncio.wait_for(ws.recv(), 30))[0] == Kind.HANDSHAKE
     message = await asyncio.wait_for(ws.recv(), 30)
     return message[0] == Kind.METADATA, message[1:].decode()
+
+
+def refused(e: InvalidStatus) -> tuple[int, str | None, str]:
+    """A refusal before the upgrade: the HTTP status, its `Retry-After` and its body (stripped)."""
+    return e.response.status_code, e.response.headers.get("Retry-After"), refusal_of(e)
 
 
 @dataclass
@@ -97,21 +104,28 @@ def test_fifty_idle_sockets_leave_another_client_served(parts) -> None:
             raw = [await half_sent(port, PARTIAL) for _ in range(25)]
             for _, writer in raw:
                 stack.callback(writer.close)
-            idle = [await stack.enter_async_context(connect(url + TURN)) for _ in range(25)]
-            outcomes = await asyncio.gather(*(opened(ws) for ws in idle))
+            outcomes = []
+            for _ in range(25):  # one at a time: each opened one holds its slot before the next asks
+                try:
+                    ws = await stack.enter_async_context(connect(url + TURN))
+                except InvalidStatus as e:
+                    outcomes.append(refused(e))
+                else:
+                    outcomes.append(await opened(ws))
+            held = dict(server.clients.open)
             async with connect(url + TURN + "&seed=1", local_addr=ELSEWHERE) as ws:
                 was_opened = await opened(ws)
                 healthy = was_opened, await speak_and_listen(ws) if was_opened[0] else None
             still_open = sum(not reader.at_eof() for reader, _ in raw)
-        return outcomes, healthy, still_open
+        return outcomes, held, healthy, still_open
 
     options = ServerOptions(port=0, limits=Limits(max_conversations_per_client=3), handshake_timeout_s=60)
-    outcomes, healthy, still_open = run_with_server(
+    outcomes, held, healthy, still_open = run_with_server(
         parts, body, options, max_conversations=4, admission_headroom=float("inf")
     )
-    refused = "refused: this client has 3 conversations open, the most one client may"
-    assert sum(ok for ok, _ in outcomes) == 3
-    assert [text for ok, text in outcomes if not ok] == [refused] * 22
+    told = (429, "1", "refused: this client has 3 conversations open, the most one client may")
+    assert [ok for ok, _ in outcomes[:3]] == [True] * 3 and outcomes[3:] == [told] * 22, outcomes
+    assert held == {"127.0.0.1": 3}, "a refused connection holds a slot"
     assert still_open == 25, "the half-sent requests were cut before the handshake timeout"
     assert healthy[0][0], f"the client from another address was refused: {healthy[0][1]}"
     assert not healthy[1].errors and healthy[1].done and healthy[1].samples > 0, healthy
@@ -164,15 +178,18 @@ def test_an_idle_connection_is_told_and_closed(parts) -> None:
     assert closed_at - reply.first_audio_at >= reply.samples / SAMPLE_RATE, "closed while the reply played"
 
 
-def test_a_client_past_its_limit_is_refused_like_an_admission_refusal(parts) -> None:
-    """Limit 2: the third conversation from 127.0.0.1 gets the handshake, "refused: REASON" and a close with 1013
-    and the reason; another address still opens one, and once one of the two closes, 127.0.0.1 opens again."""
+def test_a_client_past_its_limit_is_refused_before_the_upgrade(parts) -> None:
+    """Limit 2: the third conversation from 127.0.0.1 is refused before the upgrade, with 429, `Retry-After` and
+    "refused: REASON" as the body, and takes no slot; another address still opens one, and once one of the two
+    closes, 127.0.0.1 opens again."""
 
     async def body(url, server):
         async with connect(url + TURN) as first, connect(url + TURN) as second:
             assert (await opened(first))[0] and (await opened(second))[0]
-            async with connect(url + TURN) as third:
-                third_got = await opened(third), *await told_and_closed(third), third.close_reason
+            with pytest.raises(InvalidStatus) as third:
+                async with connect(url + TURN):
+                    pass
+            third_got = refused(third.value), dict(server.clients.open)
             async with connect(url + TURN, local_addr=ELSEWHERE) as other:
                 other_got = await opened(other)
             await first.close()
@@ -187,7 +204,7 @@ def test_a_client_past_its_limit_is_refused_like_an_admission_refusal(parts) -> 
     options = ServerOptions(port=0, limits=Limits(max_conversations_per_client=2))
     third, other, again = run_with_server(parts, body, options)
     reason = "this client has 2 conversations open, the most one client may"
-    assert third == ((False, f"refused: {reason}"), [], 1013, reason), third
+    assert third == ((429, "1", f"refused: {reason}"), {"127.0.0.1": 2}), third
     assert other[0] and again[0], (other, again)
 
 

@@ -12,10 +12,11 @@ import pytest
 from openai import AsyncOpenAI
 from test_server import http_get, metric, run_with_server, speech
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import InvalidStatus
 
 from server import protocol
 from server.app import ServerOptions
+from server.client import refusal_of
 from server.protocol import Kind
 
 TOKEN = "secret-token"
@@ -347,18 +348,17 @@ def test_authentication_and_model_name(parts) -> None:
     run_with_server(parts, body, ServerOptions(port=0, token=TOKEN, served_model_name="ours"))
 
 
-def test_a_refusal_is_an_error_event_then_a_close_and_audio_faster_than_real_time_is_throttled(parts) -> None:
+def test_a_refusal_is_a_503_before_the_upgrade_and_audio_faster_than_real_time_is_throttled(parts) -> None:
     async def body(url, server):
         headers = {"Authorization": f"Bearer {TOKEN}"}
         async with connect(f"{url}/v1/realtime", additional_headers=headers) as first:
             assert json.loads(await first.recv())["type"] == "session.created"
-            async with connect(f"{url}/v1/realtime", additional_headers=headers) as second:
-                error = json.loads(await second.recv())
-                assert error["type"] == "error" and error["error"]["code"] == "refused"
-                assert error["error"]["message"].startswith("refused: ")
-                with pytest.raises(ConnectionClosed):
-                    await second.recv()
-            assert second.close_code == 1013
+            with pytest.raises(InvalidStatus) as second:
+                async with connect(f"{url}/v1/realtime", additional_headers=headers):
+                    pass
+            response = second.value.response
+            assert (response.status_code, response.headers.get("Retry-After")) == (503, "1")
+            assert refusal_of(second.value) == "refused: the engine holds its maximum of 1 conversations"
             for _ in range(40):  # 4 s of audio at once: past the 2 s burst
                 await first.send(json.dumps({"type": "input_audio_buffer.append", "audio": b64(speech(0.1))}))
             error = json.loads(await first.recv())

@@ -107,6 +107,9 @@ def test_targets_are_met_or_not_as_the_numbers_say() -> None:
     assert [r["met"] for r in rows] == ["NO"] * 6
 
 
+FULL = "refused: the engine holds its maximum of 3 conversations"
+
+
 def test_clients_the_probe_and_the_page_check_against_a_server(parts) -> None:
     clip = trimmed(speech()[0], 1.2)
     turn = Plan("turn", None, 1, (Turn(0, 0.2, barge_in_s=0.05), Turn(0, 0.5)), 1, 0.4, True, "abort", False)
@@ -129,7 +132,18 @@ def test_clients_the_probe_and_the_page_check_against_a_server(parts) -> None:
         usable = sum(pages(m).values())
         _, m = await settle(url, usable, 10.0)
         assert m["s2s_conversations"] == 0 and at_baseline(m, usable)
-        assert await probe(url, settle_s=0.1) == (3, "refused: the engine holds its maximum of 3 conversations")
+        assert await probe(url, settle_s=0.1) == (3, FULL)
+        _, m = await settle(url, usable, 10.0)
+        held, leave = Events(), asyncio.Event()  # three clients fill the engine; a fourth is refused, with the reason
+        holders = [asyncio.create_task(SoakClient(url, endless, [clip], held).run(leave)) for _ in range(3)]
+        for _ in range(200):
+            if sum(e.kind == "opened" for e in held) == 3 or any(t.done() for t in holders):
+                break
+            await asyncio.sleep(0.05)
+        fourth = await SoakClient(url, duplex, [clip], held).run(leave)
+        leave.set()
+        assert await asyncio.gather(*holders) == ["left"] * 3 and fourth == "refused"
+        assert [e.value for e in held if e.kind in ("refused", "failed", "error")] == [FULL], held
         _, m = await settle(url, usable, 10.0)
         assert at_baseline(m, usable)
 

@@ -18,8 +18,9 @@ message sent right after the first reply audio:
   codec, the phrase's bytes as its user stream (both codebooks), generating codes turned into audio by the streaming
   decoder; once it has made `FRAMES_PER_CHAR` frames a character, the reply is cut (`interrupt`).
 
-Admission: a connection is refused (1013) when speech-to-text could not take another stream in real time
-(`SttWorkers.open`) or when an engine refuses it, so that the cascade serves the conversations it admits at its
+Admission: a connection is refused when speech-to-text could not take another stream in real time
+(`SttWorkers.open`: after the upgrade, 1013) or when the speech engine would refuse it (`ChatServer.busy`: 503
+before the upgrade), so that the cascade serves the conversations it admits at its
 best rather than all of them late.
 """
 

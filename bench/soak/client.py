@@ -14,12 +14,16 @@ from dataclasses import dataclass
 
 import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from bench.soak.plans import Plan
 from codec.tokenizer import SAMPLE_RATE
 from server import protocol
+from server.client import refusal_of
 from server.protocol import BLOCK, Control, Kind, metadata_of
+
+REFUSED = (429, 503)  # the HTTP statuses of a refused upgrade: the server is full or drains (503), or 429 for a
+# client at its limit of conversations; the body is "refused: REASON"
 
 
 @dataclass(frozen=True)
@@ -30,11 +34,11 @@ class Event:
     mode: str = ""
 
 
-# Event kinds: "opened", "refused" (the reason), "error" (an error message, or an error event), "dropped" (the
-# server closed the connection: code and reason), "failed" (no websocket), "latency" (end of speech to the first
-# reply audio, s), "server_ttfa" (the server's stamps: end of turn to first audio out, s), "no_reply", "barge_in",
-# "barge_in_missed" (the reply it spoke over played to its end), "silent", "left" (close or abort), "audio_s"
-# (reply audio received over the conversation), "client_bug".
+# Event kinds: "opened", "refused" (the reason, told before the upgrade or after it), "error" (an error message, or
+# an error event), "dropped" (the server closed the connection: code and reason), "failed" (no websocket), "latency"
+# (end of speech to the first reply audio, s), "server_ttfa" (the server's stamps: end of turn to first audio out,
+# s), "no_reply", "barge_in", "barge_in_missed" (the reply it spoke over played to its end), "silent", "left" (close
+# or abort), "audio_s" (reply audio received over the conversation), "client_bug".
 class Events(list):
     def add(self, kind: str, value: float | str | None = None, mode: str = "") -> None:
         self.append(Event(time.monotonic(), kind, value, mode))
@@ -110,6 +114,13 @@ class SoakClient:
     async def run(self, leave: asyncio.Event) -> str:
         try:
             self.ws = await connect(f"{self.url}/api/chat?{self.plan.query()}", max_size=None, open_timeout=20)
+        except InvalidStatus as e:
+            if e.response.status_code in REFUSED:  # the server is full (or drains): told before the upgrade
+                self.refused = True
+                self._add("refused", refusal_of(e))
+                return "refused"
+            self._add("failed", repr(e))
+            return "failed"
         except Exception as e:  # noqa: BLE001 - whatever stops the websocket is the outcome
             self._add("failed", repr(e))
             return "failed"

@@ -11,11 +11,12 @@ from collections.abc import Callable
 
 import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from bench.common import scrape
-from bench.soak.client import Events, Microphone, SoakClient
+from bench.soak.client import REFUSED, Events, Microphone, SoakClient
 from bench.soak.plans import Mix, make_plan
+from server.client import refusal_of
 from server.protocol import Kind
 
 
@@ -29,8 +30,13 @@ async def _drain(ws: ClientConnection) -> None:
 
 async def _open_streaming(url: str) -> tuple[ClientConnection | None, list[asyncio.Task], str]:
     """A duplex conversation (pcm16) whose microphone streams silence in real time, and its tasks (the microphone,
-    the reader); or None and why it was refused."""
-    ws = await connect(f"{url}/api/chat?mode=duplex&codec=pcm16", open_timeout=20)
+    the reader); or None and why it was refused (before the upgrade, or after it in a race)."""
+    try:
+        ws = await connect(f"{url}/api/chat?mode=duplex&codec=pcm16", open_timeout=20)
+    except InvalidStatus as e:
+        if e.response.status_code not in REFUSED:
+            raise
+        return None, [], refusal_of(e)
     async with asyncio.timeout(20):
         async for message in ws:
             if message[0] == Kind.METADATA:
@@ -44,7 +50,8 @@ async def _open_streaming(url: str) -> tuple[ClientConnection | None, list[async
 async def probe(url: str, limit: int = 512, settle_s: float = 0.5) -> tuple[int, str]:
     """How many conversations admission takes: streaming ones (admission charges a conversation whose audio comes
     in, or that replies, as a real-time stream; a silent one it may not charge at all) are opened one at a time,
-    `settle_s` apart (the first audio reaches the engine), until one is refused (1013); then all are closed.
+    `settle_s` apart (the first audio reaches the engine), until one is refused (503 before the upgrade, or 1013
+    after it); then all are closed.
     Returns the count and the refusal's reason."""
     held: list[tuple[ClientConnection, list[asyncio.Task]]] = []
     reason = f"none refused in {limit}"

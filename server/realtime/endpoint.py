@@ -1,4 +1,5 @@
-"""RealtimeEndpoint: /v1/realtime. Query `model=` (any, or the server's `--served-model-name`); the header
+"""RealtimeEndpoint: /v1/realtime. Query `model=` (any, or the server's `--served-model-name`) and `voice=` (a voice
+prompt's name, as `session.update` sets it; in the URL, `s2s cluster` places the conversation by it); the header
 `OpenAI-Beta: realtime=v1` picks the beta's event names. Authentication is `refusal`'s (`server/app.py`), before
 the upgrade: `Authorization: Bearer TOKEN`, as the SDKs send it."""
 
@@ -28,10 +29,13 @@ class RealtimeEndpoint:
         model = query.get("model", self.served_model_name or DEFAULT_MODEL)
         if self.served_model_name is not None and model != self.served_model_name:
             raise ProtocolError(f"unknown model {model!r}: this server serves {self.served_model_name!r}")
+        voice = query.get("voice")
+        if voice is not None and voice not in self.engine.voices:
+            raise ProtocolError(f"unknown voice {voice!r}; voices: {sorted(self.engine.voices)}")
         wire = RealtimeWire(beta="realtime=v1" in headers.get("OpenAI-Beta", ""))
 
         async def open_session(conn: Connection) -> RealtimeSession:
-            session = await RealtimeSession.open(self.engine, conn, self.vad, model, self.metrics)
+            session = await RealtimeSession.open(self.engine, conn, self.vad, model, self.metrics, voice)
             self.metrics.opened("realtime")
             return session
 

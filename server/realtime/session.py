@@ -66,11 +66,18 @@ class RealtimeSession:
 
     @classmethod
     async def open(
-        cls, engine: Engine, conn: Connection, base_vad: VadConfig, model: str, metrics: TurnMetrics
+        cls,
+        engine: Engine,
+        conn: Connection,
+        base_vad: VadConfig,
+        model: str,
+        metrics: TurnMetrics,
+        voice: str | None = None,
     ) -> RealtimeSession:
-        """Raises `Refused` when the engine cannot admit it."""
-        config = SessionConfig()
-        return cls(engine, conn, engine.open("turn", sampling=config.sampling), config, base_vad, model, metrics)
+        """Raises `Refused` when the engine cannot admit it. `voice`: a voice prompt's name, from the URL."""
+        config = SessionConfig(voice=voice)
+        cid = engine.open("turn", prompt=voice, sampling=config.sampling)
+        return cls(engine, conn, cid, config, base_vad, model, metrics)
 
     def _apply(self, config: SessionConfig) -> None:
         td = config.turn_detection

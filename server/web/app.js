@@ -154,8 +154,12 @@ function serverError(text) {
   state.errors.push(text);
   if (text.startsWith("refused")) {
     conv.refused = text;
-    problem(`The server cannot take this conversation now (${text.replace(/^refused:\s*/, "")}). Try again soon.`);
+    refusedNow(text);
   } else note(text);
+}
+
+function refusedNow(text) {  // "refused: REASON", told after the upgrade or in the body of the HTTP answer to it
+  problem(`The server cannot take this conversation now (${text.replace(/^refused:\s*/, "")}). Try again soon.`);
 }
 
 async function closed(ev) {
@@ -165,10 +169,15 @@ async function closed(ev) {
   if (userStop || refused) return;
   if (opened) return problem(`Connection lost (${ev.code}${ev.reason ? ": " + ev.reason : ""}).`);
   let why = "Could not connect to the server.";
-  try {  // a refused upgrade tells the browser nothing: ask again over plain HTTP for its status
+  try {  // a refused upgrade tells the browser nothing: ask again over plain HTTP for its status and reason
     const r = await fetch(state.url.replace(/^ws/, "http"));
     if (r.status === 401) why = "Wrong or missing token: enter the server's token and retry.";
     else if (r.status === 403) why = "This page's origin may not connect to the server.";
+    else if (r.status === 429 || r.status === 503) {  // full, draining, or this client's limit: the body says which
+      const text = (await r.text()).trim();
+      state.errors.push(text);
+      return refusedNow(text);
+    }
   } catch { /* the server is not there at all */ }
   problem(why);
 }

@@ -1,0 +1,258 @@
+"""`s2s cluster`: three `tiny` replicas behind HAProxy on loopback. Voice affinity, the balance factor's bound,
+spill from a full replica, drain that waits out live conversations, `add`, and a replica killed with SIGKILL.
+
+The tests share one cluster and run in file order: the drain test stops a replica and adds one back, the last test
+kills one."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from server.audio import load_wav, save_wav
+from server.client import talk
+from server.cluster.control import ask
+from server.process import ServerProcess
+from server.protocol import Kind, metadata_of
+
+FACTOR = 150  # --balance-factor
+PER_REPLICA = 6  # --max-conversations
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "server.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_without_haproxy_the_cluster_says_so_and_exits_non_zero(tmp_path: Path) -> None:
+    """Runs wherever: PATH without haproxy."""
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    env = {**os.environ, "PATH": str(bare)}
+    command = [sys.executable, "-m", "server.cli", "cluster", "--replicas", "1", "--run-dir", str(tmp_path / "run")]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode != 0 and "haproxy is not installed" in done.stderr, done
+
+
+needs_haproxy = pytest.mark.skipif(
+    shutil.which("haproxy") is None, reason="haproxy is not installed (scripts/setup.sh installs it, as root)"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A running cluster: (ws:// URL, run folder)."""
+    root = tmp_path_factory.mktemp("cluster")
+    speech = load_wav(Path(__file__).parents[1] / "server" / "data" / "speech.wav")
+    (root / "voices").mkdir()
+    for i, name in enumerate("abcd"):  # four short voice prompts
+        save_wav(root / "voices" / f"{name}.wav", speech[i * 12000 : (i + 1) * 12000])
+    port = free_port()
+    args = ["--replicas", "3", "--port", str(port), "--run-dir", str(root / "run"), "--balance-factor", str(FACTOR)]
+    args += ["--preset", "tiny", "--threads", "1", "--prompts", str(root / "voices"), "--max-reply-frames", "40"]
+    args += ["--max-conversations", str(PER_REPLICA), "--admission-headroom", "1000", "--kv-pages", "512"]
+    with ServerProcess(*args, subcommand="cluster", timeout_s=240) as url:
+        yield url, root / "run"
+
+
+def settled(run_dir: Path) -> None:
+    """Once HAProxy has let go of every closed connection: until then it counts them in the balance factor's load,
+    and a conversation that follows at once can be placed elsewhere (an empty cluster bounds each replica at 1)."""
+    for _ in range(200):
+        answer = list(ask(run_dir / "control.sock", {"command": "status"}))[-1]["result"]
+        if not sum(r["connections"] for r in answer["replicas"]):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"connections still open: {answer}")
+
+
+def status(run_dir: Path) -> dict[str, dict]:
+    done = cli("cluster", "status", "--json", "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr
+    return {r["replica"]: r for r in json.loads(done.stdout)["replicas"]}
+
+
+async def opened(url: str, voice: str | None = None) -> tuple[ClientConnection, str]:
+    """A turn-mode conversation through the cluster, and the replica that serves it (the metadata's)."""
+    ws = await connect(f"{url}/api/chat?mode=turn&codec=pcm16" + (f"&voice={voice}" if voice else ""))
+    async for message in ws:
+        if message[0] == Kind.METADATA:
+            return ws, metadata_of(message)["replica"]
+    raise AssertionError("closed before the metadata")
+
+
+@needs_haproxy
+def test_conversations_with_one_voice_land_on_one_replica(cluster) -> None:
+    """One after another, three conversations per voice: each voice's go to one replica; the voices use several. A
+    Realtime API client with `?voice=a` lands where Moshi's voice a did, is told so, and speaks with that voice."""
+    url, run_dir = cluster
+
+    async def body() -> dict[str, set[str]]:
+        placed = {}
+        for voice in "abcd":
+            placed[voice] = set()
+            for _ in range(3):
+                ws, replica = await opened(url, voice)
+                placed[voice].add(replica)
+                await ws.close()
+                await asyncio.to_thread(settled, run_dir)
+        return placed
+
+    async def realtime() -> dict:
+        async with connect(f"{url}/v1/realtime?voice=a") as ws:
+            return json.loads(await ws.recv())
+
+    placed = asyncio.run(body())
+    assert all(len(replicas) == 1 for replicas in placed.values()), placed
+    assert len(set.union(*placed.values())) > 1, placed
+    created = asyncio.run(realtime())  # the Realtime API is placed by the same voice, which it then speaks with
+    assert created["type"] == "session.created" and {created["session"]["replica"]} == placed["a"], created
+    assert created["session"]["audio"]["output"]["voice"] == "a", created
+
+
+@needs_haproxy
+def test_the_load_never_exceeds_the_balance_factor(cluster) -> None:
+    """Nine conversations with one voice, held at once: no replica holds more than HAProxy's bound (the factor
+    times the average, rounded up at each arrival), where the hash alone would put all nine on one."""
+    url, run_dir = cluster
+
+    async def body() -> Counter:
+        await asyncio.to_thread(settled, run_dir)
+        held = [await opened(url, "a") for _ in range(9)]
+        for ws, _ in held:
+            await ws.close()
+        return Counter(replica for _, replica in held)
+
+    load = asyncio.run(body())
+    bound = math.ceil(math.ceil(9 * FACTOR / 100) / 3)
+    assert sum(load.values()) == 9 and max(load.values()) <= bound and len(load) > 1, load
+
+
+@needs_haproxy
+def test_a_full_replica_spills_to_another(cluster) -> None:
+    """Voice a's replica is filled straight through its own port: the next conversation with voice a is served by
+    another replica, not refused; the full replica's health check then says why it takes nothing."""
+    url, run_dir = cluster
+
+    async def body() -> tuple[str, list[str], str]:
+        ws, home = await opened(url, "a")
+        await ws.close()
+        await asyncio.to_thread(settled, run_dir)
+        direct = f"ws://127.0.0.1:{status(run_dir)[home]['port']}"
+        filling = [await opened(direct) for _ in range(PER_REPLICA)]
+        served = []
+        for _ in range(3):
+            ws, replica = await opened(url, "a")
+            served.append(replica)
+            await ws.close()
+        health = await asyncio.to_thread(_get, f"http://127.0.0.1:{status(run_dir)[home]['port']}/healthz")
+        for ws, _ in filling:
+            await ws.close()
+        return home, served, health
+
+    home, served, health = asyncio.run(body())
+    assert home not in served, (home, served)
+    assert health == (503, f"the engine holds its maximum of {PER_REPLICA} conversations"), health
+
+
+def _get(url: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read().decode().strip()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode().strip()
+
+
+@needs_haproxy
+def test_drain_waits_for_live_conversations_then_stops_the_replica(cluster) -> None:
+    """Two conversations mid-turn on voice b's replica when the drain starts: both get their whole reply; a new
+    conversation with voice b goes elsewhere; the drain ends once both have, with none cut, and the replica is gone.
+    `s2s cluster add` then brings a replica back into the pool. (The two go to the replica's own port: through
+    HAProxy, the balance factor would put the second elsewhere, the cluster being otherwise empty.)"""
+    url, run_dir = cluster
+    speech = load_wav(Path(__file__).parents[1] / "server" / "data" / "speech.wav")[: 24000 * 2]
+
+    async def body():
+        ws, home = await opened(url, "b")
+        await ws.close()
+        await asyncio.to_thread(settled, run_dir)
+        direct = f"ws://127.0.0.1:{status(run_dir)[home]['port']}"
+        turns = [
+            asyncio.create_task(talk(direct, speech, listen_s=60, voice="b", seed=str(i), temperature="0.1"))
+            for i in range(2)
+        ]
+        await asyncio.sleep(1.0)  # both are speaking
+        drain = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "server.cli", "cluster", "drain", home, "--run-dir", str(run_dir),
+            stdout=subprocess.PIPE,
+        )  # fmt: skip
+        await asyncio.sleep(1.0)
+        newcomer, placed = await opened(url, "b")
+        await newcomer.close()
+        results = await asyncio.gather(*turns)
+        said = (await drain.communicate())[0].decode()
+        return home, placed, results, drain.returncode, said
+
+    home, placed, results, code, said = asyncio.run(body())
+    assert placed != home, (home, placed)
+    for r in results:
+        assert not r.errors and r.metadata[0]["replica"] == home, (r.errors, r.metadata[:1])
+        done = [m for m in r.metadata if m.get("event") == "reply_done"]
+        assert done and len(r.reply) == done[0]["frames"] * 320 > 0, (done, len(r.reply))
+    assert code == 0 and f"{home} drained and stopped" in said and "no conversation was cut" in said, said
+    assert home not in status(run_dir)
+    added = cli("cluster", "add", "--run-dir", str(run_dir))
+    assert added.returncode == 0 and "in the pool" in added.stdout, added
+    assert sorted(r["state"] for r in status(run_dir).values()) == ["UP"] * 3
+
+
+@needs_haproxy
+def test_a_killed_replica_closes_its_clients_who_reconnect_elsewhere(cluster) -> None:
+    """SIGKILL on voice c's replica while a conversation is open on it: the client sees a close, reconnects with
+    the same voice and is served by another replica, and HAProxy's health check takes the dead one out; `add` puts
+    a new replica in its slot."""
+    url, run_dir = cluster
+
+    async def body() -> tuple[str, str]:
+        ws, home = await opened(url, "c")
+        os.kill(status(run_dir)[home]["pid"], signal.SIGKILL)
+        with pytest.raises(ConnectionClosed):
+            async with asyncio.timeout(30):
+                while True:
+                    await ws.recv()
+        again, replica = await opened(url, "c")
+        await again.close()
+        return home, replica
+
+    home, replica = asyncio.run(body())
+    assert replica != home
+    for _ in range(100):
+        if status(run_dir)[home]["state"].endswith("(DOWN)"):
+            break
+        time.sleep(0.1)
+    assert status(run_dir)[home]["state"] == "exited (DOWN)"
+    added = cli("cluster", "add", "--run-dir", str(run_dir))  # the dead one's slot takes a new replica
+    assert added.returncode == 0 and f"{home} had exited" in added.stdout and "in the pool" in added.stdout, added
+    assert sorted(r["state"] for r in status(run_dir).values()) == ["UP"] * 3
