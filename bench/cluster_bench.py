@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import numpy as np
 from bench.common import SENTENCES, environment, parser, percentiles, print_table, save_outputs, scrape, write_json
 from server.audio import save_wav
 from server.client import talk
+from server.cluster.manager import free_port
 from server.process import ServerProcess
 from server.speech import speech, synthesize
 
@@ -88,10 +88,7 @@ async def arrivals(url: str, voices: list[str], pcm: list[np.ndarray], gap_s: fl
 
 
 def replica_urls(run_dir: Path) -> dict[str, str]:
-    from server.cluster.control import ask
-
-    answer = list(ask(run_dir / "control.sock", {"command": "status"}))[-1]["result"]
-    return {r["replica"]: f"http://127.0.0.1:{r['port']}" for r in answer["replicas"]}
+    return {r["replica"]: f"http://127.0.0.1:{r['port']}" for r in _status(run_dir)}
 
 
 def counters(urls: dict[str, str]) -> dict[str, float]:
@@ -160,12 +157,6 @@ def _status(run_dir: Path) -> list[dict]:
     from server.cluster.control import ask
 
     return list(ask(run_dir / "control.sock", {"command": "status"}))[-1]["result"]["replicas"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

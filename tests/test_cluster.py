@@ -12,7 +12,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,7 @@ from websockets.exceptions import ConnectionClosed
 from server.audio import load_wav, save_wav
 from server.client import talk
 from server.cluster.control import ask
+from server.cluster.manager import free_port
 from server.process import ServerProcess
 from server.protocol import Kind, metadata_of
 
@@ -50,12 +50,6 @@ def test_without_haproxy_the_cluster_says_so_and_exits_non_zero(tmp_path: Path) 
 needs_haproxy = pytest.mark.skipif(
     shutil.which("haproxy") is None, reason="haproxy is not installed (scripts/setup.sh installs it, as root)"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -201,8 +202,7 @@ def replica_metrics(url: str) -> dict:
 
 
 def free_port() -> int:
-    import socket
-
+    """A TCP port nobody listens on now, on loopback."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
