@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import socket
 import ssl
 import urllib.parse
 from dataclasses import dataclass, field, replace
@@ -59,7 +58,7 @@ class ServerOptions:
     served_model_name: str | None = None  # the one `model` a Realtime client may ask for; None: any
     ssl_certfile: Path | None = None  # with `ssl_keyfile`: https and wss (a browser elsewhere needs it for its mic)
     ssl_keyfile: Path | None = None
-    replica_id: str = field(default_factory=socket.gethostname)  # told to each client at open (placement)
+    replica_id: str | None = None  # told to each client at open (`s2s cluster`'s placement); None: not told
     forwarded_allow_ips: list[str] = field(default_factory=list)  # proxies whose X-Forwarded-For names the client
 
     def __post_init__(self) -> None:

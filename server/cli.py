@@ -7,7 +7,6 @@ import importlib.util
 import pkgutil
 import runpy
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -184,7 +183,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         action="append",
         help="a browser origin allowed besides the server's own, e.g. https://app.example (repeatable)",
     )
-    p.add_argument("--replica-id", default=socket.gethostname(), help="this server's name, told to each client")
+    p.add_argument("--replica-id", default=None, help="this server's name, told to each client (default: none)")
     p.add_argument(
         "--forwarded-allow-ips",
         action="append",

@@ -8,7 +8,7 @@ upgrade: `ChatServer`'s `busy`):
 2. `wire.handshake()` goes out (Moshi's handshake; a JSON-event protocol has none), then the session opens. A
    refusal that the server could not foresee before the upgrade (the cascade's speech-to-text, or a race with
    another connection) is told "refused: REASON" and closed with 1013 and the reason.
-3. `wire.opened(session.info)` goes out, with the id of the replica that serves it (`s2s cluster`'s placement);
+3. `wire.opened(session.info)` goes out, with the id of the replica that serves it if it has one (`s2s cluster`);
    the receive loop reads messages until the client goes: the wire parses
    each into `Audio`, `EndTurn`, `Stream` or `Request` (a bad one is told and dropped). Audio goes on in slices of
    80 ms, each paced in real time: past the burst, a long message is fed over as long as it lasts, not in one tick,
@@ -268,7 +268,7 @@ class Pace:
 
 
 async def serve_connection(
-    ws: ServerConnection, endpoint: Endpoint, limits: Limits, clients: PerClient, replica: str
+    ws: ServerConnection, endpoint: Endpoint, limits: Limits, clients: PerClient, replica: str | None
 ) -> None:
     query = {k: v[0] for k, v in urllib.parse.parse_qs(urllib.parse.urlsplit(ws.request.path).query).items()}
     try:
@@ -290,7 +290,7 @@ async def serve_connection(
             return
         idle = asyncio.create_task(_close_when_idle(conn, limits.idle_timeout_s))
         try:
-            await ws.send(wire.opened({**session.info, "replica": replica}))
+            await ws.send(wire.opened(session.info | ({"replica": replica} if replica else {})))
             await _receive(conn, session, limits)
         except ConnectionClosed:
             pass

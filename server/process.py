@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
+from pathlib import Path
 
 
 class ServerProcess:
@@ -16,10 +17,18 @@ class ServerProcess:
     The server's output is kept (`output`) so a failure can show it.
     """
 
-    def __init__(self, *args: str, module: str | None = None, subcommand: str = "serve", timeout_s: float = 120.0):
+    def __init__(
+        self,
+        *args: str,
+        module: str | None = None,
+        subcommand: str = "serve",
+        timeout_s: float = 120.0,
+        log: Path | None = None,
+    ):
         self.command = ["-m", module] if module else ["-m", "server.cli", subcommand]
         self.args, self.timeout_s = [str(a) for a in args], timeout_s
         self.lines: deque[str] = deque(maxlen=10_000)  # the last of them: a replica of `s2s cluster` runs for days
+        self.log = log  # where every line goes too (`s2s cluster`'s replicas)
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -32,13 +41,19 @@ class ServerProcess:
         ready = threading.Event()
         url: list[str] = []
 
+        log = open(self.log, "a", buffering=1) if self.log else None  # noqa: SIM115 (closed when the output ends)
+
         def read() -> None:
             for line in self.proc.stdout:
                 self.lines.append(line)
+                if log:
+                    log.write(line)
                 if line.startswith("serving ") and not url:
                     url.append(line.split()[1].removesuffix("/api/chat"))
                     ready.set()
             ready.set()  # the process ended
+            if log:
+                log.close()
 
         threading.Thread(target=read, daemon=True).start()
         if not ready.wait(self.timeout_s) or not url:

@@ -181,10 +181,11 @@ def _get(url: str) -> tuple[int, str]:
 
 @needs_haproxy
 def test_drain_waits_for_live_conversations_then_stops_the_replica(cluster) -> None:
-    """Two conversations mid-turn on voice b's replica when the drain starts: both get their whole reply; a new
-    conversation with voice b goes elsewhere; the drain ends once both have, with none cut, and the replica is gone.
-    `s2s cluster add` then brings a replica back into the pool. (The two go to the replica's own port: through
-    HAProxy, the balance factor would put the second elsewhere, the cluster being otherwise empty.)"""
+    """Two conversations mid-turn on voice b's replica when the drain starts (one through HAProxy, one to the
+    replica's own port: through HAProxy, the balance factor would put the second elsewhere, the cluster being
+    otherwise empty): the drain sees both, both get their whole reply, a new conversation with voice b goes
+    elsewhere, the drain ends once both have, with none cut, and the replica is gone. `s2s cluster add` then brings
+    a replica back into the pool."""
     url, run_dir = cluster
     speech = load_wav(Path(__file__).parents[1] / "server" / "data" / "speech.wav")[: 24000 * 2]
 
@@ -194,8 +195,8 @@ def test_drain_waits_for_live_conversations_then_stops_the_replica(cluster) -> N
         await asyncio.to_thread(settled, run_dir)
         direct = f"ws://127.0.0.1:{status(run_dir)[home]['port']}"
         turns = [
-            asyncio.create_task(talk(direct, speech, listen_s=60, voice="b", seed=str(i), temperature="0.1"))
-            for i in range(2)
+            asyncio.create_task(talk(where, speech, listen_s=60, voice="b", seed=str(i), temperature="0.1"))
+            for i, where in enumerate((url, direct))
         ]
         await asyncio.sleep(1.0)  # both are speaking
         drain = await asyncio.create_subprocess_exec(
@@ -215,7 +216,43 @@ def test_drain_waits_for_live_conversations_then_stops_the_replica(cluster) -> N
         assert not r.errors and r.metadata[0]["replica"] == home, (r.errors, r.metadata[:1])
         done = [m for m in r.metadata if m.get("event") == "reply_done"]
         assert done and len(r.reply) == done[0]["frames"] * 320 > 0, (done, len(r.reply))
-    assert code == 0 and f"{home} drained and stopped" in said and "no conversation was cut" in said, said
+    assert code == 0 and f"{home}: 2 conversations live" in said, said
+    assert f"{home} drained and stopped" in said and "no conversation was cut" in said, said
+    assert home not in status(run_dir)
+    added = cli("cluster", "add", "--run-dir", str(run_dir))
+    assert added.returncode == 0 and "in the pool" in added.stdout, added
+    assert sorted(r["state"] for r in status(run_dir).values()) == ["UP"] * 3
+
+
+@needs_haproxy
+def test_a_drain_goes_on_when_its_asker_goes_and_cuts_at_its_timeout(cluster) -> None:
+    """A conversation held open on voice d's replica; `s2s cluster drain --timeout 3` is killed once it has said
+    so. The cluster goes on with the drain: at the timeout it cuts the conversation (its client sees the close),
+    stops the replica and frees its slot, which `add` then fills."""
+    url, run_dir = cluster
+
+    async def body() -> str:
+        await asyncio.to_thread(settled, run_dir)
+        ws, home = await opened(url, "d")
+        drain = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "server.cli", "cluster", "drain", home, "--run-dir", str(run_dir), "--timeout", "3",
+            stdout=subprocess.PIPE,
+        )  # fmt: skip
+        said = (await drain.stdout.readline()).decode()
+        assert said == f"{home}: 1 conversations live\n", said
+        drain.kill()
+        await drain.wait()
+        with pytest.raises(ConnectionClosed):
+            async with asyncio.timeout(60):
+                while True:
+                    await ws.recv()
+        return home
+
+    home = asyncio.run(body())
+    for _ in range(100):
+        if home not in status(run_dir):
+            break
+        time.sleep(0.1)
     assert home not in status(run_dir)
     added = cli("cluster", "add", "--run-dir", str(run_dir))
     assert added.returncode == 0 and "in the pool" in added.stdout, added

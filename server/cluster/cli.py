@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import os
 import signal
+import stat
 import tempfile
 from pathlib import Path
 
@@ -14,7 +17,25 @@ COMMANDS = ("status", "add", "drain")
 
 
 def run_dir_of(port: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"s2s-cluster-{port}"
+    """The run folder of the cluster on `port`: in this user's runtime folder, else in the temporary folder under
+    this user's id."""
+    if runtime := os.environ.get("XDG_RUNTIME_DIR"):
+        return Path(runtime) / f"s2s-cluster-{port}"
+    return Path(tempfile.gettempdir()) / f"s2s-cluster-{os.getuid()}-{port}"
+
+
+def own_folder(path: Path) -> None:
+    """Make `path` (mode 700), or check that it is a folder of this user's that nobody else can use: the cluster
+    writes HAProxy's config there and listens on sockets in it."""
+    try:
+        path.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        st = path.lstat()
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise RuntimeError(
+                f"{path} is not a folder of this user's that only it can use (mode 700): remove it or choose another "
+                "--run-dir"
+            ) from None
 
 
 def _where(p: argparse.ArgumentParser) -> None:
@@ -55,6 +76,8 @@ def run(argv: list[str]) -> None:
     taken = ("--port", "--host", "--replica-id", "--forwarded-allow-ips")
     if any(a.split("=")[0] in taken for a in serve_args):
         p.error(f"{', '.join(taken)} are the cluster's to set for its replicas")
+    if any(a.split("=")[0] in ("--ssl-certfile", "--ssl-keyfile") for a in serve_args):
+        p.error("replicas speak plain HTTP to HAProxy on loopback: put TLS in front of the cluster's port")
     serve.parse_args(serve_args)  # a bad option fails here, not in every replica
 
     from server.cluster.manager import ClusterConfig
@@ -86,7 +109,7 @@ async def _run(cfg) -> None:
     from server.cluster.manager import Cluster
 
     haproxy.haproxy_binary()
-    cfg.run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    own_folder(cfg.run_dir)
     control = cfg.run_dir / "control.sock"
     if control.exists():
         try:
@@ -100,7 +123,8 @@ async def _run(cfg) -> None:
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     cluster = Cluster(cfg)
     try:
-        await cluster.start()
+        if not await _unless_stopped(cluster.start(), stop):
+            return
         server = await serve_control(cluster, control)
         names = " ".join(f"r{i}" for i in range(1, cfg.replicas + 1))
         print(
@@ -108,11 +132,33 @@ async def _run(cfg) -> None:
             f"metrics at http://127.0.0.1:{cfg.stats_port}/metrics; s2s cluster status --port {cfg.port})",
             flush=True,
         )
-        await stop.wait()
-        server.close()
+        if not await _unless_stopped(asyncio.to_thread(cluster.haproxy.wait), stop):
+            server.close()
+            return
+        raise RuntimeError(f"HAProxy exited (status {cluster.haproxy.returncode}): the cluster stops")
     finally:
         control.unlink(missing_ok=True)
         await cluster.stop()
+
+
+async def _unless_stopped(work, stop: asyncio.Event) -> bool:
+    """Run `work` until it ends (True) or `stop` is set (False: it is cancelled)."""
+    done, pending = await asyncio.wait(
+        [task := asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())], return_when=asyncio.FIRST_COMPLETED
+    )
+    for p in pending:
+        p.cancel()
+    if task in done:
+        task.result()  # its exception, if any
+        return True
+    return False
+
+
+def _timeout(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"a number of seconds, 0 or more, not {text!r}")
+    return value
 
 
 def command(name: str, argv: list[str]) -> None:
@@ -122,7 +168,7 @@ def command(name: str, argv: list[str]) -> None:
     _where(p)
     if name == "drain":
         p.add_argument("replica", help="a replica's id (r1, r2, ...: s2s cluster status)")
-        p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for its conversations to end")
+        p.add_argument("--timeout", type=_timeout, default=600.0, help="seconds to wait for its conversations to end")
     if name == "status":
         p.add_argument("--json", action="store_true", help="print the status as JSON")
     args = p.parse_args(argv)
@@ -146,16 +192,17 @@ def _print_result(name: str, result: dict, as_json: bool) -> None:
         print(f"{result['replica']} is serving on port {result['port']} and in the pool")
     elif name == "drain":
         cut = result["cut"]
-        print(
-            f"{result['replica']} drained and stopped after {result['seconds']} s; "
-            + (f"{cut} live conversations were cut (the timeout passed)" if cut else "no conversation was cut")
-        )
+        if cut is None:
+            said = "it exited or stopped answering while it drained: what it held was cut"
+        else:
+            said = f"{cut} live conversations were cut (the timeout passed)" if cut else "no conversation was cut"
+        print(f"{result['replica']} drained and stopped after {result['seconds']} s; {said}")
     elif as_json:
         print(json.dumps(result, indent=2))
     else:
         columns = ("replica", "port", "state", "connections", "conversations", "pages_used", "pages", "cache_hit_rate")
         rows = [[str(r.get(c, "")) for c in columns] for r in result["replicas"]]
-        widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(columns)]
+        widths = [max([len(c), *(len(row[i]) for row in rows)]) for i, c in enumerate(columns)]
         for row in [list(columns), *rows]:
             print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
         print(f"HAProxy metrics: http://127.0.0.1:{result['stats_port']}/metrics")

@@ -5,6 +5,7 @@ TEXT}` while it works, then `{"result": ...}` or `{"error": TEXT}`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from collections.abc import Iterator
@@ -16,28 +17,34 @@ from server.cluster.manager import Cluster
 async def serve_control(cluster: Cluster, path: Path) -> asyncio.Server:
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         async def send(message: dict) -> None:
-            writer.write(json.dumps(message).encode() + b"\n")
-            await writer.drain()
+            """To the asker, if it is still there: a command goes on to its end when the asker goes (a drain
+            half done would leave its replica taking nothing and never stopped)."""
+            with contextlib.suppress(OSError):
+                writer.write(json.dumps(message).encode() + b"\n")
+                await writer.drain()
 
         async def tell(text: str) -> None:
             await send({"progress": text})
 
         try:
-            request = json.loads(await reader.readline())
-            command = request.get("command")
-            if command == "status":
-                result = await asyncio.to_thread(cluster.status)
-            elif command == "add":
-                result = await cluster.add(tell)
-            elif command == "drain":
-                result = await cluster.drain(str(request.get("replica")), float(request.get("timeout_s", 600)), tell)
-            else:
-                raise ValueError(f"unknown command {command!r}: status, add or drain")
-            await send({"result": result})
-        except (ValueError, RuntimeError, OSError) as e:
-            await send({"error": str(e)})
+            await send({"result": await run(await reader.readline(), tell)})
+        except Exception as e:  # any failure is the asker's answer, never the end of the cluster
+            await send({"error": str(e) or type(e).__name__})
         finally:
             writer.close()
+
+    async def run(line: bytes, tell) -> dict:
+        request = json.loads(line)
+        if not isinstance(request, dict):
+            raise ValueError("a request is a JSON object")
+        command = request.get("command")
+        if command == "status":
+            return await asyncio.to_thread(cluster.status)
+        if command == "add":
+            return await cluster.add(tell)
+        if command == "drain":
+            return await cluster.drain(str(request.get("replica")), float(request.get("timeout_s", 600)), tell)
+        raise ValueError(f"unknown command {command!r}: status, add or drain")
 
     server = await asyncio.start_unix_server(answer, path)
     path.chmod(0o600)
@@ -53,5 +60,10 @@ def ask(path: Path, request: dict) -> Iterator[dict]:
             raise RuntimeError(f"no cluster is running with its control socket at {path}") from None
         s.sendall(json.dumps(request).encode() + b"\n")
         with s.makefile() as lines:
+            answered = False
             for line in lines:
-                yield json.loads(line)
+                answer = json.loads(line)
+                answered = answered or "progress" not in answer
+                yield answer
+        if not answered:
+            raise RuntimeError("the cluster closed without an answer (see its output)")

@@ -10,8 +10,11 @@ No reload: HAProxy keeps every connection throughout."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import math
 import signal
 import socket
+import subprocess
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -64,28 +67,23 @@ class Cluster:
         self.cfg = cfg
         self.replicas = {f"r{i}": Replica(f"r{i}") for i in range(1, cfg.max_replicas + 1)}
         self.api = RuntimeApi(cfg.run_dir / "haproxy.sock")
-        self.haproxy = None
-        self._lock = asyncio.Lock()  # one add or drain at a time changes the slots
+        self.haproxy: subprocess.Popen | None = None
+        self._slots = asyncio.Lock()  # held while slots change hands (not while a drain waits)
 
     async def start(self) -> None:
-        """Start the replicas (together: each loads its model), then HAProxy; return once every replica is UP."""
+        """Start the replicas (together: each loads its model), then HAProxy; return once every replica is UP.
+        On failure, what started is left for `stop`."""
         haproxy.haproxy_binary()  # fail before loading any model
         first = [self.replicas[f"r{i}"] for i in range(1, self.cfg.replicas + 1)]
-        await asyncio.gather(*(self._start_replica(r) for r in first))
+        started = await asyncio.gather(*(self._start_replica(r) for r in first), return_exceptions=True)
+        if failed := next((e for e in started if isinstance(e, BaseException)), None):
+            raise failed
         if not self.cfg.stats_port:
             self.cfg.stats_port = free_port()
         slots = [Slot(r.name, r.port) for r in self.replicas.values()]
-        cfg = haproxy.render(
-            self.cfg.run_dir,
-            self.cfg.host,
-            self.cfg.port,
-            self.cfg.stats_port,
-            self.cfg.balance,
-            self.cfg.balance_factor,
-            slots,
-        )
-        path = self.cfg.run_dir / "haproxy.cfg"
-        path.write_text(cfg)
+        c = self.cfg
+        path = c.run_dir / "haproxy.cfg"
+        path.write_text(haproxy.render(c.run_dir, c.host, c.port, c.stats_port, c.balance, c.balance_factor, slots))
         self.api.path.unlink(missing_ok=True)  # left by a cluster that was killed
         self.haproxy = haproxy.start(path)
         await self._wait_for_haproxy()
@@ -99,58 +97,79 @@ class Cluster:
         await asyncio.gather(*(asyncio.to_thread(r.process.__exit__) for r in self.replicas.values() if r.process))
 
     async def add(self, tell: Tell) -> dict:
-        """Start one more replica in a free slot (or one whose replica exited) and put it in the pool."""
-        async with self._lock:
-            free = next((r for r in self.replicas.values() if not r.alive()), None)
-            if free is None:
+        """Start one more replica in the slot of one that exited, else in a free slot, and put it in the pool."""
+        async with self._slots:
+            dead = [r for r in self.replicas.values() if r.process is not None and not r.alive() and not r.draining]
+            free = [r for r in self.replicas.values() if r.process is None]
+            if not dead + free:
                 raise ValueError(f"every one of the {self.cfg.max_replicas} slots holds a replica (--max-replicas)")
-            if free.process is not None:
-                await tell(f"{free.name} had exited (status {free.process.proc.returncode}): replacing it")
-                free.process.__exit__()
-            await tell(f"starting {free.name}")
-            await self._start_replica(free)
-            self.api.on_every_backend(f"addr 127.0.0.1 port {free.port}", "state ready", server=free.name)
-            await self._wait_for(free.name, "UP")
-            return {"replica": free.name, "port": free.port}
+            r = (dead + free)[0]
+            if r.process is not None:
+                await tell(f"{r.name} had exited (status {r.process.proc.returncode}): replacing it")
+                r.process.__exit__()
+                r.process = None
+            await tell(f"starting {r.name}")
+            try:
+                await self._start_replica(r)
+                self.api.on_every_backend(f"addr 127.0.0.1 port {r.port}", "state ready", server=r.name)
+                await self._wait_for(r.name, "UP")
+            except BaseException:
+                await self._free(r)
+                raise
+            return {"replica": r.name, "port": r.port}
 
     async def drain(self, name: str, timeout_s: float, tell: Tell) -> dict:
-        """Drain `name`, wait up to `timeout_s` for its conversations to end, stop it; how many were cut."""
-        async with self._lock:
+        """Drain `name`, wait up to `timeout_s` for its conversations to end, stop it; how many were cut (None if
+        it exited meanwhile). Whatever happens while it waits, the slot ends free and in maintenance."""
+        if not (math.isfinite(timeout_s) and timeout_s >= 0):
+            raise ValueError(f"the drain timeout must be 0 s or more, got {timeout_s}")
+        async with self._slots:
             r = self.replicas.get(name)
             if r is None or not r.alive() or r.draining:
                 serving = sorted(n for n, r in self.replicas.items() if r.alive() and not r.draining)
                 raise ValueError(f"no serving replica {name!r}; serving: {serving}")
-            started = time.monotonic()
-            self.api.on_every_backend("state drain", server=name)
             r.draining = True
+        started = time.monotonic()
+        try:
+            self.api.on_every_backend("state drain", server=name)
             r.process.proc.send_signal(signal.SIGUSR1)
             live = await self._live_conversations(r, started + timeout_s, tell)
-            await asyncio.to_thread(r.process.__exit__)
-            self.api.on_every_backend("state maint", server=name)
-            r.process, r.port, r.draining = None, None, False
-            return {"replica": name, "cut": live, "seconds": round(time.monotonic() - started, 2)}
+        finally:
+            async with self._slots:
+                await self._free(r)
+        return {"replica": name, "cut": live, "seconds": round(time.monotonic() - started, 2)}
 
     def status(self) -> dict:
         """Per replica: HAProxy's view (state, connections) and the replica's (conversations, pages, cache)."""
         states = self.api.servers()
         rows = []
-        for r in self.replicas.values():
-            if r.process is None:
+        for r in list(self.replicas.values()):
+            process = r.process
+            if process is None:
                 continue
-            row = {"replica": r.name, "port": r.port, "pid": r.process.proc.pid, **states[r.name]}
+            row = {"replica": r.name, "port": r.port, "pid": process.proc.pid, **states[r.name]}
             row["state"] = row.pop("status")
             if not r.alive():
                 row["state"] = f"exited ({row['state']})"
             else:
-                row.update(replica_metrics(r.url))
+                with contextlib.suppress(OSError):  # it went meanwhile: its HAProxy state says so
+                    row.update(replica_metrics(r.url))
             rows.append(row)
         return {"port": self.cfg.port, "stats_port": self.cfg.stats_port, "replicas": rows}
 
     async def _start_replica(self, r: Replica) -> None:
         args = ["--replica-id", r.name, "--forwarded-allow-ips", "127.0.0.1", *self.cfg.serve_args]
-        process = ServerProcess(*args)
-        url = await asyncio.to_thread(process.__enter__)
-        r.process, r.port = process, int(url.rsplit(":", 1)[1])
+        r.process, r.draining = ServerProcess(*args, log=self.cfg.run_dir / f"{r.name}.log"), False
+        url = await asyncio.to_thread(r.process.__enter__)  # `stop` can see it (and stop it) meanwhile
+        r.port = int(url.rsplit(":", 1)[1])
+
+    async def _free(self, r: Replica) -> None:
+        """Stop `r`'s replica, if any, and put its slot in maintenance, free for `add`."""
+        if r.process is not None:
+            await asyncio.to_thread(r.process.__exit__)
+        if self.haproxy is not None and self.haproxy.poll() is None:
+            self.api.on_every_backend("state maint", server=r.name)
+        r.process, r.port, r.draining = None, None, False
 
     async def _wait_for_haproxy(self, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -171,17 +190,23 @@ class Cluster:
                 raise RuntimeError(f"HAProxy has {name} {now}, not {status}, after {timeout_s:g} s")
             await asyncio.sleep(0.1)
 
-    async def _live_conversations(self, r: Replica, deadline: float, tell: Tell) -> int:
+    async def _live_conversations(self, r: Replica, deadline: float, tell: Tell) -> int | None:
         """Wait until the draining replica `r` holds no conversation (seen twice, half a second apart: one that was
-        being opened as the drain began is counted by then), or `deadline`; the conversations left."""
-        zeros, said = 0, None
+        being opened as the drain began is counted by then), or `deadline`; the conversations left, or None if the
+        replica exited (or stopped answering) meanwhile."""
+        zeros, said, live = 0, None, None
         while True:
-            metrics = await asyncio.to_thread(scrape, r.url)
-            live = int(metrics["s2s_conversations"]) if metrics.get("s2s_draining") == 1 else -1
+            if not r.alive():
+                return None
+            try:
+                metrics = await asyncio.to_thread(scrape, r.url, 2.0)
+                live = int(metrics["s2s_conversations"]) if metrics.get("s2s_draining") == 1 else live
+            except OSError:
+                pass  # busy, or gone: the next pass sees which
             zeros = zeros + 1 if live == 0 else 0
-            if zeros == 2 or (live >= 0 and time.monotonic() > deadline):
+            if zeros == 2 or time.monotonic() > deadline:
                 return live
-            if live != said and live >= 0:
+            if live is not None and live != said:
                 await tell(f"{r.name}: {live} conversations live")
                 said = live
             await asyncio.sleep(0.5)
