@@ -166,6 +166,7 @@ def main() -> None:
     p.add_argument("--voices", type=int, default=8)
     p.add_argument("--prompt-seconds", type=float, default=6.0, help="length of each voice prompt")
     p.add_argument("--speech-seconds", type=float, default=1.5, help="what each user says")
+    p.add_argument("--balance-factor", type=int, default=150, help="voice routing's bound (`s2s cluster`'s)")
     p.add_argument("--gap", type=float, default=1.0, help="seconds between steady arrivals")
     p.add_argument(
         "--admission-headroom",
@@ -186,7 +187,18 @@ def main() -> None:
         for balance in ("voice", "roundrobin"):
             run_dir = Path(tmp) / f"run-{balance}"
             cluster = ["--replicas", "3", "--port", str(free_port()), "--run-dir", str(run_dir)]
-            cluster += ["--balance", balance, "--preset", args.preset, "--threads", "1", "--prompts", str(folder)]
+            cluster += [
+                "--balance",
+                balance,
+                "--balance-factor",
+                str(args.balance_factor),
+                "--preset",
+                args.preset,
+                "--threads",
+                "1",
+                "--prompts",
+                str(folder),
+            ]
             cluster += ["--max-reply-frames", "20", "--max-conversations-per-client", "0"]
             cluster += ["--admission-headroom", str(args.admission_headroom)]
             with ServerProcess(*cluster, subcommand="cluster", timeout_s=300) as url:
@@ -237,7 +249,7 @@ def _row(phase: str, balance: str, args, measured: dict) -> dict:
     return {
         "bench": "cluster",
         "phase": phase,
-        "routing": "voice (consistent, bounded 150)" if balance == "voice" else "round robin",
+        "routing": f"voice (consistent, bounded {args.balance_factor})" if balance == "voice" else "round robin",
         "preset": args.preset,
         "replicas": 3,
         "conversations": args.conversations,
