@@ -1,0 +1,130 @@
+"""The engine's own work per tick (everything but the model's forward and sampling) against live conversations.
+
+    s2s bench host-overhead [--quick] [--ticks T] [--json PATH] [--plot PATH]
+
+An engine on `tiny` with seeded weights, codec-free (two codebooks of 1024 codes, the 1.5 kbps codec's shape: the
+codec's calls are not the engine's bookkeeping), with N duplex conversations, N in 16, 64, 256, 512 (`--quick`: 16
+and 64). Each is fed 4 frames of codes a tick, as the server's ticks take them, and the engine ticks back to back
+(`step()` in this thread). Per tick: its wall time, the time inside `ModelRunner.forward` and `ModelRunner.sample`
+(timed around them), and the rest, which is host work: taking commands, scheduling, the prefix cache's re-match and
+inserts, page reservation, the per-conversation loops, events and the snapshot. The first ticks (while each
+conversation's first frames go in) are not counted.
+"""
+
+from __future__ import annotations
+
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+
+from bench.common import environment, parser, print_table, save_outputs, write_json
+from s2s import ModelConfig, S2SModel, SamplingParams
+from s2s.engine import Engine, EngineConfig
+
+FRAMES_PER_TICK = 4
+WARMUP_TICKS = 3
+
+
+def measure(model: S2SModel, n: int, ticks: int) -> dict:
+    cfg = EngineConfig(
+        frames_per_tick=FRAMES_PER_TICK,
+        calibration_ticks=0,
+        max_conversations=n,
+        num_pages=n * (2 + (WARMUP_TICKS + ticks) * FRAMES_PER_TICK // 16 + 2),
+    )
+    engine = Engine(model, None, cfg)
+    inside = [0.0]  # seconds in the model's forward and sampling this tick
+
+    def timed(fn):
+        def run(*args, **kwargs):
+            t = time.perf_counter()
+            out = fn(*args, **kwargs)
+            inside[0] += time.perf_counter() - t
+            return out
+
+        return run
+
+    engine.runner.forward = timed(engine.runner.forward)
+    engine.runner.sample = timed(engine.runner.sample)
+    rng = np.random.default_rng(0)
+    cids = [engine.open("duplex", sampling=SamplingParams(seed=i), admit=False) for i in range(n)]
+    user = rng.integers(0, 1024, (2, FRAMES_PER_TICK * (WARMUP_TICKS + ticks)))
+    tick_s, model_s = [], []
+    for t in range(WARMUP_TICKS + ticks):
+        frames = user[:, t * FRAMES_PER_TICK : (t + 1) * FRAMES_PER_TICK]
+        for cid in cids:
+            engine.push_codes(cid, frames)
+        inside[0] = 0.0
+        start = time.perf_counter()
+        engine.step()
+        elapsed = time.perf_counter() - start
+        for cid in cids:  # what the server's readers do: the events go
+            q = engine.event_queue(cid)
+            while q.qsize():
+                q.get_nowait()
+        if t >= WARMUP_TICKS:
+            tick_s.append(elapsed)
+            model_s.append(inside[0])
+    tick, model_ms = np.array(tick_s) * 1000, np.array(model_s) * 1000
+    host = tick - model_ms
+    return {
+        "conversations": n,
+        "ticks": ticks,
+        "tick_ms_p50": float(np.percentile(tick, 50)),
+        "model_ms_p50": float(np.percentile(model_ms, 50)),
+        "host_ms_p50": float(np.percentile(host, 50)),
+        "host_ms_p95": float(np.percentile(host, 95)),
+        "host_share": float(np.median(host / tick)),
+        "host_ms_per_conversation": float(np.percentile(host, 50)) / n,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = parser("host-overhead", __doc__.splitlines()[0])
+    p.add_argument("--ticks", type=int, default=20, help="ticks measured at each N")
+    args = p.parse_args(argv)
+    levels = [16, 64] if args.quick else [16, 64, 256, 512]
+    model = S2SModel.from_seed(ModelConfig.preset("tiny", num_codebooks=2), seed=0)
+    env, rows = environment(), []
+    for n in levels:
+        rows.append({"bench": "host-overhead", "preset": "tiny", **measure(model, n, args.ticks), **env})
+        print(rows[-1], flush=True)
+        write_json(args.json, rows)
+    columns = [
+        ("conversations", "N"),
+        ("tick_ms_p50", "tick p50 ms"),
+        ("model_ms_p50", "forward + sampling p50 ms"),
+        ("host_ms_p50", "host p50 ms"),
+        ("host_ms_p95", "host p95 ms"),
+        ("host_share", "host share"),
+        ("host_ms_per_conversation", "host ms per conversation"),
+    ]
+    title = (
+        f"Engine host work per tick, {FRAMES_PER_TICK}-frame ticks, N duplex conversations (tiny, codec-free, "
+        f"{env['torch_threads']} torch threads, {args.ticks} ticks each)"
+    )
+    tables = print_table(title, rows, columns)
+    _plot(rows, args.plot)
+    save_outputs(args, rows, tables)
+
+
+def _plot(rows: list[dict], path) -> None:
+    n = [r["conversations"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(n, [r["host_ms_p50"] for r in rows], "o-", label="host p50")
+    ax.plot(n, [r["host_ms_p95"] for r in rows], "o--", label="host p95")
+    ax.plot(n, [r["model_ms_p50"] for r in rows], "s-", label="forward + sampling p50")
+    ax.axhline(3.0, color="gray", linestyle=":", label="target: host p50 3 ms at N = 512")
+    ax.set(xscale="log", yscale="log", xlabel="conversations", ylabel="ms per tick", title="Engine host work per tick")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
