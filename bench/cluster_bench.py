@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import tempfile
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -28,6 +25,7 @@ import numpy as np
 from bench.common import SENTENCES, environment, parser, percentiles, print_table, save_outputs, scrape, write_json
 from server.audio import save_wav
 from server.client import talk
+from server.cluster.control import ask
 from server.cluster.manager import free_port
 from server.process import ServerProcess
 from server.speech import speech, synthesize
@@ -132,31 +130,28 @@ async def drained_wave(url: str, run_dir: Path, voices: list[str], pcm: list[np.
     await asyncio.sleep(1.0)
     live = {r["replica"]: r["conversations"] for r in _status(run_dir)}
     target = max(live, key=live.get)
-    started = time.monotonic()
-    drain = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "server.cli", "cluster", "drain", target, "--run-dir", str(run_dir), "--timeout", "60",
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    said = (await drain.communicate())[0].decode()
-    drain_s = time.monotonic() - started
+    drained = await asyncio.to_thread(_ask, run_dir, {"command": "drain", "replica": target, "timeout_s": 60})
     done = await asyncio.gather(*tasks)
-    if drain.returncode:
-        raise RuntimeError(f"s2s cluster drain failed: {said}")
-    cut = 0 if "no conversation was cut" in said else int(said.rsplit(";", 1)[1].split()[0])
     return {
         "drained": target,
         "live_at_drain": live[target],
-        "cut": cut,
-        "drain_s": drain_s,
+        "cut": drained["cut"],
+        "drain_s": drained["seconds"],
         "served": sum(d["replica"] is not None and not d["errors"] for d in done),
         "wave": len(done),
     }
 
 
-def _status(run_dir: Path) -> list[dict]:
-    from server.cluster.control import ask
+def _ask(run_dir: Path, request: dict) -> dict:
+    """What `s2s cluster status|add|drain` would: the cluster's result for `request`."""
+    answer = list(ask(run_dir / "control.sock", request))[-1]
+    if "error" in answer:
+        raise RuntimeError(f"s2s cluster {request['command']}: {answer['error']}")
+    return answer["result"]
 
-    return list(ask(run_dir / "control.sock", {"command": "status"}))[-1]["result"]["replicas"]
+
+def _status(run_dir: Path) -> list[dict]:
+    return _ask(run_dir, {"command": "status"})["replicas"]
 
 
 def main() -> None:

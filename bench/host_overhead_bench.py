@@ -34,7 +34,7 @@ def measure(model: S2SModel, n: int, ticks: int) -> dict:
         frames_per_tick=FRAMES_PER_TICK,
         calibration_ticks=0,
         max_conversations=n,
-        num_pages=n * (2 + (WARMUP_TICKS + ticks) * FRAMES_PER_TICK // 16 + 2),
+        num_pages=n * ((WARMUP_TICKS + ticks) * FRAMES_PER_TICK // 16 + 4),  # each one's frames, and room
     )
     engine = Engine(model, None, cfg)
     inside = [0.0]  # seconds in the model's forward and sampling this tick

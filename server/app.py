@@ -159,13 +159,13 @@ class ChatServer:
         self.registry.register(self.gate)
         self.clients = PerClient(self.options.limits.max_conversations_per_client, self.options.forwarded_allow_ips)
         self.draining = False
-        self._draining = Gauge("s2s_draining", "1 while this replica takes no new conversation", registry=self.registry)
+        gauge = Gauge("s2s_draining", "1 while this replica takes no new conversation", registry=self.registry)
+        gauge.set_function(lambda: self.draining)
         self._server: Server | None = None
 
     def drain(self) -> None:
         """Take no new conversation (the health check and every upgrade answer 503); the live ones go on."""
         self.draining = True
-        self._draining.set(1)
 
     async def start(self) -> int:
         """Start the engine thread and listen; returns the port (useful with port 0)."""
@@ -195,12 +195,9 @@ class ChatServer:
     def _http(self, connection: ServerConnection, request: Request) -> Response | None:
         path = request.path.partition("?")[0]
         if path == "/healthz":  # a load balancer's question: can this replica take a conversation now?
-            problem = "draining" if self.draining else self.engine.admission_problem()
-            return (
-                connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, f"{problem}\n")
-                if problem
-                else (connection.respond(HTTPStatus.OK, "ok\n"))
-            )
+            if problem := "draining" if self.draining else self.engine.admission_problem():
+                return connection.respond(HTTPStatus.SERVICE_UNAVAILABLE, f"{problem}\n")
+            return connection.respond(HTTPStatus.OK, "ok\n")
         if path == "/metrics":
             body = generate_latest(self.registry)
             return Response(200, "OK", Headers([("Content-Type", "text/plain; version=0.0.4")]), body)

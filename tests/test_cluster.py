@@ -85,6 +85,22 @@ def status(run_dir: Path) -> dict[str, dict]:
     return {r["replica"]: r for r in json.loads(done.stdout)["replicas"]}
 
 
+async def closed(ws: ClientConnection) -> None:
+    """Once the server has closed `ws` (within a minute), whatever it sent before."""
+    with pytest.raises(ConnectionClosed):
+        async with asyncio.timeout(60):
+            while True:
+                await ws.recv()
+
+
+def add_back(run_dir: Path) -> str:
+    """`s2s cluster add`, which must succeed and leave three replicas UP; what it said."""
+    added = cli("cluster", "add", "--run-dir", str(run_dir))
+    assert added.returncode == 0 and "in the pool" in added.stdout, added
+    assert sorted(r["state"] for r in status(run_dir).values()) == ["UP"] * 3
+    return added.stdout
+
+
 async def opened(url: str, voice: str | None = None) -> tuple[ClientConnection, str]:
     """A turn-mode conversation through the cluster, and the replica that serves it (the metadata's)."""
     ws = await connect(f"{url}/api/chat?mode=turn&codec=pcm16" + (f"&voice={voice}" if voice else ""))
@@ -219,9 +235,7 @@ def test_drain_waits_for_live_conversations_then_stops_the_replica(cluster) -> N
     assert code == 0 and f"{home}: 2 conversations live" in said, said
     assert f"{home} drained and stopped" in said and "no conversation was cut" in said, said
     assert home not in status(run_dir)
-    added = cli("cluster", "add", "--run-dir", str(run_dir))
-    assert added.returncode == 0 and "in the pool" in added.stdout, added
-    assert sorted(r["state"] for r in status(run_dir).values()) == ["UP"] * 3
+    add_back(run_dir)
 
 
 @needs_haproxy
@@ -242,10 +256,7 @@ def test_a_drain_goes_on_when_its_asker_goes_and_cuts_at_its_timeout(cluster) ->
         assert said == f"{home}: 1 conversations live\n", said
         drain.kill()
         await drain.wait()
-        with pytest.raises(ConnectionClosed):
-            async with asyncio.timeout(60):
-                while True:
-                    await ws.recv()
+        await closed(ws)
         return home
 
     home = asyncio.run(body())
@@ -254,9 +265,7 @@ def test_a_drain_goes_on_when_its_asker_goes_and_cuts_at_its_timeout(cluster) ->
             break
         time.sleep(0.1)
     assert home not in status(run_dir)
-    added = cli("cluster", "add", "--run-dir", str(run_dir))
-    assert added.returncode == 0 and "in the pool" in added.stdout, added
-    assert sorted(r["state"] for r in status(run_dir).values()) == ["UP"] * 3
+    add_back(run_dir)
 
 
 @needs_haproxy
@@ -269,10 +278,7 @@ def test_a_killed_replica_closes_its_clients_who_reconnect_elsewhere(cluster) ->
     async def body() -> tuple[str, str]:
         ws, home = await opened(url, "c")
         os.kill(status(run_dir)[home]["pid"], signal.SIGKILL)
-        with pytest.raises(ConnectionClosed):
-            async with asyncio.timeout(30):
-                while True:
-                    await ws.recv()
+        await closed(ws)
         again, replica = await opened(url, "c")
         await again.close()
         return home, replica
@@ -284,6 +290,4 @@ def test_a_killed_replica_closes_its_clients_who_reconnect_elsewhere(cluster) ->
             break
         time.sleep(0.1)
     assert status(run_dir)[home]["state"] == "exited (DOWN)"
-    added = cli("cluster", "add", "--run-dir", str(run_dir))  # the dead one's slot takes a new replica
-    assert added.returncode == 0 and f"{home} had exited" in added.stdout and "in the pool" in added.stdout, added
-    assert sorted(r["state"] for r in status(run_dir).values()) == ["UP"] * 3
+    assert f"{home} had exited" in add_back(run_dir)  # the dead one's slot takes a new replica

@@ -104,11 +104,9 @@ def run(argv: list[str]) -> None:
 
 
 async def _run(cfg) -> None:
-    from server.cluster import haproxy
     from server.cluster.control import serve_control
     from server.cluster.manager import Cluster
 
-    haproxy.haproxy_binary()
     own_folder(cfg.run_dir)
     control = cfg.run_dir / "control.sock"
     if control.exists():

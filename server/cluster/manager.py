@@ -143,7 +143,7 @@ class Cluster:
         """Per replica: HAProxy's view (state, connections) and the replica's (conversations, pages, cache)."""
         states = self.api.servers()
         rows = []
-        for r in list(self.replicas.values()):
+        for r in self.replicas.values():
             process = r.process
             if process is None:
                 continue
