@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 from transformers import EncodecConfig, EncodecModel
+from transformers.utils import logging as hf_logging
 
 from codec.stream_layers import StreamingNet
 from codec.streaming import StreamingDecoder, StreamingEncoder
@@ -39,6 +41,19 @@ def _seed_codebooks(model: EncodecModel, generator: torch.Generator) -> None:
         mean, std = residual.mean(0), residual.std(0)
         book.embed.copy_(mean + std * torch.randn(book.embed.shape, generator=generator))
         residual = residual - book.decode(book.encode(residual))
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 class EncodecTokenizer:
@@ -97,7 +112,10 @@ class EncodecTokenizer:
             folder = Path(path)
             if not (folder / "config.json").is_file():
                 raise FileNotFoundError(f"{folder} holds no config.json: not an EnCodec checkpoint folder")
-            model, info = EncodecModel.from_pretrained(folder, local_files_only=True, output_loading_info=True)
+            with _quiet_transformers():  # the buffers only training uses are left out of shipped folders: no report
+                model, info = EncodecModel.from_pretrained(
+                    folder, local_files_only=True, output_loading_info=True, dtype=torch.float32
+                )
             missing = [k for k in info["missing_keys"] if not k.endswith(("cluster_size", "embed_avg", "inited"))]
             if missing or info["mismatched_keys"]:
                 raise ValueError(

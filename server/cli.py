@@ -1,4 +1,5 @@
-"""The `s2s` command: `serve`, `client`, `demo`, `roundtrip` (the codec alone) and `bench NAME` (bench/)."""
+"""The `s2s` command: `serve`, `client`, `demo`, `roundtrip` (the codec alone), `train codec|echo` and `bench NAME`
+(bench/)."""
 
 from __future__ import annotations
 
@@ -36,11 +37,13 @@ def roundtrip(args: argparse.Namespace) -> None:
     import torch
 
     from codec import EncodecTokenizer
+    from s2s.weights import shipped
     from server.audio import load_wav, save_wav
     from server.speech import speech
 
-    tok = EncodecTokenizer.from_pretrained(args.codec, bandwidth=args.bandwidth)
-    weights = f"checkpoint {args.codec}" if args.codec else "seeded random weights (offline default: output is noise)"
+    codec = args.codec or (None if args.random_weights else shipped("codec"))
+    tok = EncodecTokenizer.from_pretrained(codec, bandwidth=args.bandwidth)
+    weights = f"checkpoint {codec}" if codec else "seeded random weights (output is noise)"
     wav, source = (load_wav(args.wav), str(args.wav)) if args.wav else speech(args.text)
     wav = wav[: len(wav) // tok.frame_size * tok.frame_size]
     print(f"codec: EnCodec 24 kHz, {tok.bandwidth} kbps, {tok.num_codebooks} codebooks, {weights}")
@@ -375,7 +378,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="s2s", description="Speech-to-speech serving engine")
     sub = p.add_subparsers(dest="command", required=True)
     rt = sub.add_parser("roundtrip", help="stream real speech through the codec and back")
-    rt.add_argument("--codec", type=Path, default=None, help="Hugging Face EnCodec 24 kHz folder (default: seeded)")
+    rt.add_argument("--codec", type=Path, default=None, help="Hugging Face EnCodec 24 kHz folder (default: shipped)")
+    rt.add_argument("--random-weights", action="store_true", help="a seeded random codec instead of the shipped one")
     rt.add_argument("--bandwidth", type=float, default=1.5, help="kbps: 1.5, 3, 6, 12 or 24")
     rt.add_argument("--wav", type=Path, default=None, help="speech to use instead of espeak-ng's")
     rt.add_argument("--text", default="Hello there. This is a test of the speech codec.", help="what espeak-ng says")
@@ -394,6 +398,9 @@ def main(argv: list[str] | None = None) -> None:
     add_engine_args(dm)
     dm.add_argument("--out", type=Path, default=Path("out/demo_reply.wav"))
     sub.add_parser("cluster", help="replicas behind HAProxy (s2s cluster --help), and status, add, drain")
+    tr = sub.add_parser("train", help="train the shipped weights (s2s train codec|echo --help)")
+    tr.add_argument("what", choices=["codec", "echo"], help="codec: codec/train.py; echo: s2s/train.py")
+    tr.add_argument("rest", nargs=argparse.REMAINDER)
     b = sub.add_parser("bench", help="run a benchmark from bench/ (s2s bench NAME --help)")
     b.add_argument("name", help="one of: " + ", ".join(_bench_names()))
     b.add_argument("rest", nargs=argparse.REMAINDER)
@@ -410,6 +417,11 @@ def main(argv: list[str] | None = None) -> None:
         import asyncio
 
         asyncio.run(_demo(args))
+    elif args.command == "train":
+        from codec import train as codec_train
+        from s2s import train as echo_train
+
+        {"codec": codec_train.main, "echo": echo_train.main}[args.what](args.rest)
     elif args.command == "bench":
         if args.name not in _bench_names():
             p.error(f"unknown benchmark {args.name!r}; choose from {', '.join(_bench_names())}")

@@ -1,0 +1,40 @@
+"""`s2s train codec --quick` and `s2s train echo --quick`: each runs in under a minute, writes a folder the loaders
+take, and its loss falls."""
+
+import json
+import subprocess
+import sys
+
+from transformers import EncodecModel, LlamaModel
+
+from codec import EncodecTokenizer
+from s2s import S2SModel
+
+
+def run(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "server.cli", *args], check=True, capture_output=True, text=True)
+
+
+def falls(folder) -> bool:
+    curve = json.loads((folder / "training.json").read_text())["loss_curve"]
+    return curve[-1]["loss"] < curve[0]["loss"]
+
+
+def test_train_codec_quick(tmp_path) -> None:
+    out = tmp_path / "codec"
+    run("train", "codec", "--quick", "--out", str(out))
+    assert falls(out)
+    EncodecModel.from_pretrained(out)
+    tok = EncodecTokenizer.from_pretrained(out, bandwidth=1.5)
+    assert tok.num_codebooks == 2
+
+
+def test_train_echo_quick(tmp_path) -> None:
+    """On the shipped codec's codes."""
+    out = tmp_path / "echo"
+    run("train", "echo", "--quick", "--out", str(out))
+    assert falls(out)
+    model = S2SModel.from_pretrained(out)
+    backbone = LlamaModel(model.config.to_llama_config())
+    missing, unexpected = backbone.load_state_dict(model.backbone.state_dict(), strict=False)
+    assert missing == ["embed_tokens.weight"] and not unexpected
