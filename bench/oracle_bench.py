@@ -33,7 +33,7 @@ def main() -> None:
     p = parser("oracle", __doc__.splitlines()[0])
     args = p.parse_args()
     takes = oracle.takes()
-    originals = {id(t): oracle.heard(t, t.pcm) == t.index for t in takes}
+    originals = {id(t): oracle.heard(t.pcm) == t.index for t in takes}
     rows = [row("originals", takes, [t.pcm for t in takes], originals)]
     codec_takes = takes[::4] if args.quick else takes
     for bandwidth in (1.5,) if args.quick else BANDWIDTHS:

@@ -41,14 +41,14 @@ def takes(count: int | None = None) -> list[Take]:
     return [Take(i, v, say(HELDOUT_SENTENCES[i], v)) for i, v in pairs]
 
 
-def heard(take: Take, audio: np.ndarray) -> int | None:
+def heard(audio: np.ndarray) -> int | None:
     """The index of the sentence the recogniser hears in `audio` (None: none of the set)."""
     return recognizer().identify(audio)
 
 
 def rate(takes: list[Take], audios: list[np.ndarray]) -> float:
     """The share of `takes` whose audio is recognised as the take's own sentence."""
-    return float(np.mean([heard(t, a) == t.index for t, a in zip(takes, audios, strict=True)]))
+    return float(np.mean([heard(a) == t.index for t, a in zip(takes, audios, strict=True)]))
 
 
 def offline_round_trip(tok, pcm: np.ndarray) -> np.ndarray:
