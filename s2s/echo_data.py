@@ -2,13 +2,13 @@
 `s2s/turns.py`), with the label and loss mask of every model frame.
 
 - Turn mode: a voice prompt (the user silent), then turns. While the user speaks, the model stream is forced
-  silent. The reply is one silent frame, then the turn's speech (its frames from the first to the last that is not
-  silence), then END on codebook 0; after it both streams are silent for a few frames, as the engine fills them.
-  Some replies are cut short (a barge-in) and the next turn follows at once.
-- Duplex: the model stream is the user's, `delay` frames later; silent before that.
-
-The model's predictions while the user speaks are not used, but they are labelled (`_listening_label`): that is
-where it learns to look one step back.
+  silent, and what the model predicts there is the codec's `quiet` frame (what digital silence encodes to): the
+  engine samples the reply's first frame at the turn's last step. So the reply is that quiet frame, then the turn's
+  speech (its frames from the first loud one to the last), then END on codebook 0; after it both streams are silent
+  for a few frames, as the engine fills them. Some replies are cut short (a barge-in) and the next turn follows at
+  once.
+- Duplex: the model stream is the user's, `delay` frames later; quiet frames before that (frame 0 is the engine's
+  silent frame).
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ import numpy as np
 import torch
 
 from s2s.config import ModelConfig
-
-LISTEN_ECHO = 2
 
 
 @dataclass
@@ -68,15 +66,22 @@ class _Builder:
 
 
 def turn_conversation(
-    cfg: ModelConfig, turns: list[Utterance], prompt: np.ndarray | None, rng: np.random.Generator, cut_rate: float
+    cfg: ModelConfig,
+    turns: list[Utterance],
+    prompt: np.ndarray | None,
+    quiet: np.ndarray,
+    rng: np.random.Generator,
+    cut_rate: float,
 ) -> Conversation:
     b = _Builder(cfg)
     if prompt is not None:
         b.add(b.silent(len(prompt)), prompt)
     for i, turn in enumerate(turns):
         n = len(turn.codes)
-        b.add(turn.codes, b.silent(n), _listening_label(cfg, b, turn.codes), predicted=True)
-        speech = np.concatenate([b.silent(1), turn.codes[turn.start : turn.stop]])
+        b.add(turn.codes, b.silent(n), np.tile(quiet, (n, 1)), predicted=True)
+        first = quiet.copy()  # codebook 0 sampled while listening; the others once the reply starts: the speech's
+        first[1:] = turn.codes[turn.start - 1, 1:] if turn.start else quiet[1:]  # delayed codebooks, one frame back
+        speech = np.concatenate([first[None], turn.codes[turn.start : turn.stop]])
         if i < len(turns) - 1 and rng.random() < cut_rate:  # a barge-in: the next turn's audio follows at once
             played = int(rng.integers(1, len(speech) + 1))
             b.add(b.silent(played), speech[:played], predicted=True)
@@ -89,26 +94,18 @@ def turn_conversation(
     return b.build()
 
 
-def _listening_label(cfg: ModelConfig, b: _Builder, codes: np.ndarray) -> np.ndarray:
-    """While the user speaks, the model's unused predictions are labelled: codebook 0 silent (the reply's first frame
-    is predicted at the turn's last step, which looks like any other, so it is silent: the reply starts with one
-    silent frame), the other codebooks with the user's own `LISTEN_ECHO` frames back. Learning that builds heads
-    that look one step back, which the reply's copy needs."""
-    label = np.concatenate([b.silent(LISTEN_ECHO), codes[: len(codes) - LISTEN_ECHO]])[: len(codes)]
-    label[:, 0] = cfg.silent_id
-    return label
-
-
-def duplex_conversation(cfg: ModelConfig, user: np.ndarray, prompt: np.ndarray | None, delay: int) -> Conversation:
+def duplex_conversation(
+    cfg: ModelConfig, user: np.ndarray, prompt: np.ndarray | None, quiet: np.ndarray, delay: int
+) -> Conversation:
     b = _Builder(cfg)
     p = 0 if prompt is None else len(prompt)
     if prompt is not None:
         b.add(b.silent(p), prompt)
-    heard = np.concatenate([b.silent(p), user])
-    echo = np.concatenate([b.silent(delay), heard[: len(heard) - delay]])[p:]
+    heard = np.concatenate([np.tile(quiet, (p, 1)), user])
+    echo = np.concatenate([np.tile(quiet, (delay, 1)), heard[: len(heard) - delay]])[p:]
     mask = np.ones((len(user), 1), dtype=bool)
     if p == 0:
-        mask[0] = False  # the engine forces model frame 0 silent
+        echo[0], mask[0] = cfg.silent_id, False  # the engine forces model frame 0 silent
     b.add(user, echo, predicted=mask)
     return b.build()
 

@@ -1,6 +1,6 @@
 """The shipped weights, trained on this machine by their own commands (each folder's `training.json` holds the
-exact command, its time and its loss curve): the codec (`s2s train codec`), the default of `s2s roundtrip` and of
-`s2s bench oracle`, and the echo model (`s2s train echo`), not shipped yet.
+exact command, its time and its record): the codec (`s2s train codec`) and the echo model (`s2s train echo`), the
+defaults of `s2s serve`, `s2s demo`, `s2s roundtrip` and `s2s bench oracle`.
 """
 
 from __future__ import annotations

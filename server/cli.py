@@ -1,5 +1,5 @@
-"""The `s2s` command: `serve`, `client`, `demo`, `roundtrip` (the codec alone), `train codec|echo` and `bench NAME`
-(bench/)."""
+"""The `s2s` command: `serve`, `client`, `demo`, `roundtrip` (the codec alone), `weights`, `train codec|echo` and
+`bench NAME` (bench/)."""
 
 from __future__ import annotations
 
@@ -84,6 +84,32 @@ def roundtrip(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}")
 
 
+def weights_of(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
+    """The codec and model folders `add_engine_args` names: given ones, else the shipped ones; None for seeded random
+    weights (`--random-weights`, or a `--preset` without `--model`: benchmarks and tests keep their presets)."""
+    from s2s.weights import shipped
+
+    random = args.random_weights or (args.preset is not None and args.model is None)
+    codec = args.codec or (None if random else shipped("codec"))
+    model = args.model or (None if random else shipped("model"))
+    return codec, model
+
+
+def weights(args: argparse.Namespace) -> None:
+    import json
+
+    from s2s.weights import shipped
+
+    folders = {"codec": shipped("codec"), "model": shipped("model")}
+    if args.json:
+        print(json.dumps({name: str(folder) for name, folder in folders.items()}))
+        return
+    for name, folder in folders.items():
+        made = json.loads((folder / "training.json").read_text())
+        size = sum(f.stat().st_size for f in folder.iterdir()) / 1e6
+        print(f"{name}: {folder} ({size:.1f} MB), made by `{made['command']}` in {made['seconds'] / 60:.0f} min")
+
+
 def placement_of(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
     """`--device` and `--dtype` (`add_engine_args`) resolved for this machine."""
     from s2s import placement
@@ -106,11 +132,12 @@ def engine_of(args: argparse.Namespace) -> tuple[Engine, EncodecTokenizer]:
     if args.threads:
         torch.set_num_threads(args.threads)
     device, dtype = placement_of(args)
-    tok = EncodecTokenizer.from_pretrained(args.codec, bandwidth=args.bandwidth, device=device)
-    if args.model:
-        model = S2SModel.from_pretrained(args.model, dtype=dtype, device=device)
+    codec, folder = weights_of(args)
+    tok = EncodecTokenizer.from_pretrained(codec, bandwidth=args.bandwidth, device=device)
+    if folder:
+        model = S2SModel.from_pretrained(folder, dtype=dtype, device=device)
     else:
-        cfg = ModelConfig.preset(args.preset, num_codebooks=tok.num_codebooks)
+        cfg = ModelConfig.preset(args.preset or "small", num_codebooks=tok.num_codebooks)
         model = S2SModel.from_seed(cfg, seed=0, dtype=dtype, device=device)
     cfg = EngineConfig(
         cache_mode=args.cache,
@@ -131,9 +158,14 @@ def engine_of(args: argparse.Namespace) -> tuple[Engine, EncodecTokenizer]:
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", type=Path, default=None, help="S2S model folder (default: seeded weights, offline)")
-    p.add_argument("--preset", default="small", help="model preset without --model: tiny, small, base, large")
-    p.add_argument("--codec", type=Path, default=None, help="Hugging Face EnCodec 24 kHz folder (default: seeded)")
+    p.add_argument("--model", type=Path, default=None, help="S2S model folder (default: the shipped echo model)")
+    p.add_argument(
+        "--preset", default=None, help="a seeded random model of this shape: tiny, small, base, large (random weights)"
+    )
+    p.add_argument("--codec", type=Path, default=None, help="Hugging Face EnCodec 24 kHz folder (default: shipped)")
+    p.add_argument(
+        "--random-weights", action="store_true", help="seeded random weights (model and codec) instead of the shipped"
+    )
     p.add_argument("--bandwidth", type=float, default=1.5, help="codec kbps: 1.5, 3, 6, 12 or 24")
     p.add_argument("--cache", default="radix", help="naive, paged, exact or radix")
     p.add_argument("--kv-pages", type=int, default=4096, help="K/V pages of 16 steps")
@@ -324,47 +356,46 @@ def client(args: argparse.Namespace) -> None:
 
 
 async def _demo(args: argparse.Namespace) -> None:
+    """A held-out sentence in a held-out voice, in turn mode (pcm16) and duplex (Ogg/Opus); the recogniser says what
+    the question and each reply say."""
     from server.app import ChatServer, ServerOptions
     from server.audio import save_wav
     from server.client import talk
-    from server.speech import speech
+    from speech.recognizer import Recognizer
+    from speech.sentences import HELDOUT_SENTENCES
+    from speech.voices import HELDOUT_VOICES, say
 
-    engine, tok = engine_of(args)
-    engine.cfg.max_reply_frames = 150
+    if args.sentence not in HELDOUT_SENTENCES:
+        raise SystemExit(
+            f"--sentence must be one of the held-out sentences (speech/sentences.py), got {args.sentence!r}"
+        )
+    engine, _ = engine_of(args)
+    codec, model = weights_of(args)
     server = ChatServer(engine, ServerOptions(port=0))
     port = await server.start()
     url = f"ws://127.0.0.1:{port}"
-    print(
-        f"server on {url}/api/chat (model: seeded {args.preset} preset, codec: seeded EnCodec; audio is noise "
-        "until real weights are loaded)"
-    )
+    weights = f"model {model}, codec {codec}" if model and codec else "seeded random weights: the replies are noise"
+    print(f"server on {url}/api/chat ({weights})")
+    hear = Recognizer(HELDOUT_SENTENCES)
     try:
-        wav, source = speech("Hello! Could you tell me what the weather will be like tomorrow?")
-        print(f"user: {len(wav) / 24000:.2f} s of speech from {source}")
-        turn = await talk(url, wav, mode="turn", codec="pcm16", listen_s=15.0, seed="1")
-        print(
-            f"turn mode, pcm16: handshake {turn.handshake}, reply {len(turn.reply) / 24000:.2f} s, "
-            f"turn latency {turn.turn_latency_s * 1000:.0f} ms"
-            if turn.turn_latency_s
-            else "no reply"
-        )
-        duplex = await talk(url, wav, mode="duplex", codec="opus", listen_s=0.5, seed="2")
-        if duplex.handshake and not duplex.errors:
-            print(f"duplex mode, Ogg/Opus: {len(duplex.reply) / 24000:.2f} s of audio back while the user spoke")
-        else:
-            print("duplex mode, Ogg/Opus: the server refused it (this machine cannot keep its frame deadlines now)")
-        for r in (turn, duplex):
-            for e in r.errors:
-                print(f"server error: {e}")
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        save_wav(args.out, turn.reply)
-        snapshot = engine.snapshot()
-        stats = snapshot.stats
-        print(
-            f"engine: {stats.ticks} ticks, {stats.refused} refused, "
-            f"{stats.deadline_misses} deadline misses; cache hit steps {snapshot.cache.hit_steps}"
-        )
-        print(f"wrote the turn-mode reply to {args.out}")
+        question = say(args.sentence, HELDOUT_VOICES[0])
+        print(f"user ({HELDOUT_VOICES[0]}): {args.sentence!r}, {len(question) / 24000:.2f} s")
+        print(f"  the recogniser hears the question as: {hear.transcribe(question)!r}")
+        args.out.mkdir(parents=True, exist_ok=True)
+        save_wav(args.out / "question.wav", question)
+        turn = await talk(url, question, mode="turn", codec="pcm16", listen_s=15.0, seed="1")
+        duplex = await talk(url, question, mode="duplex", codec="opus", listen_s=1.0, seed="2")
+        for name, r, how in (("turn", turn, "turn mode, pcm16"), ("duplex", duplex, "duplex, Ogg/Opus")):
+            if not r.handshake or not len(r.reply):
+                print(f"{how}: no reply ({'; '.join(r.errors) or 'the server refused the conversation'})")
+                continue
+            save_wav(args.out / f"{name}_reply.wav", r.reply)
+            latency = f", turn latency {r.turn_latency_s * 1000:.0f} ms" if r.turn_latency_s else ""
+            print(f"{how}: {len(r.reply) / 24000:.2f} s of reply{latency}")
+            print(f"  the recogniser hears the reply as: {hear.transcribe(r.reply)!r}")
+        stats = engine.snapshot().stats
+        print(f"engine: {stats.ticks} ticks, {stats.refused} refused, {stats.deadline_misses} deadline misses")
+        print(f"wrote question.wav, turn_reply.wav and duplex_reply.wav to {args.out}")
     finally:
         await server.stop()
 
@@ -396,8 +427,11 @@ def main(argv: list[str] | None = None) -> None:
     cl.add_argument("--listen", type=float, default=3.0, help="seconds to keep listening after the speech")
     dm = sub.add_parser("demo", help="start a server on the offline default and hold a conversation with it")
     add_engine_args(dm)
-    dm.add_argument("--out", type=Path, default=Path("out/demo_reply.wav"))
+    dm.add_argument("--out", type=Path, default=Path("out/demo"), help="folder for the question and reply WAVs")
+    dm.add_argument("--sentence", default="the train leaves at seven tonight", help="one of the held-out sentences")
     sub.add_parser("cluster", help="replicas behind HAProxy (s2s cluster --help), and status, add, drain")
+    wt = sub.add_parser("weights", help="where the shipped codec and model are, and how they were made")
+    wt.add_argument("--json", action="store_true", help='print {"codec": PATH, "model": PATH}')
     tr = sub.add_parser("train", help="train the shipped weights (s2s train codec|echo --help)")
     tr.add_argument("what", choices=["codec", "echo"], help="codec: codec/train.py; echo: s2s/train.py")
     tr.add_argument("rest", nargs=argparse.REMAINDER)
@@ -417,6 +451,8 @@ def main(argv: list[str] | None = None) -> None:
         import asyncio
 
         asyncio.run(_demo(args))
+    elif args.command == "weights":
+        weights(args)
     elif args.command == "train":
         from codec import train as codec_train
         from s2s import train as echo_train

@@ -1,0 +1,135 @@
+"""The shipped echo model through `s2s serve`'s server, heard by the oracle (pocketsphinx over the held-out
+sentences, `speech/oracle.py`): each reply must say its own question.
+
+- turn mode, pcm16 and Ogg/Opus, in every cache mode: recognised at no less than 85 % of the originals' rate;
+- cross-talk: 4 conversations at once with one voice prompt, in the radix cache with pages short enough to force
+  preemption: no reply is ever heard as another conversation's sentence;
+- duplex, Opus and pcm16: the echo is recognised at no less than 80 % of the originals' rate;
+- barge-in: a reply cut after a few frames, then a new question: the next reply says the new sentence, and the
+  context holds only the frames that were played.
+"""
+
+import numpy as np
+import pytest
+
+from bench.oracle_bench import replies
+from bench.oracle_bench import serve as oracle_serve
+from codec import EncodecTokenizer
+from s2s import Engine, EngineConfig, S2SModel, SamplingParams
+from s2s.events import AudioEvent, MetaEvent
+from s2s.weights import shipped
+from speech import oracle
+from speech.sentences import training_sentences
+from speech.voices import TRAIN_VOICES, say
+
+
+@pytest.fixture(scope="module")
+def parts():
+    return S2SModel.from_pretrained(shipped("model")), EncodecTokenizer.from_pretrained(shipped("codec"))
+
+
+@pytest.fixture(scope="module")
+def takes() -> list[oracle.Take]:
+    return oracle.takes()
+
+
+def originals_rate(takes: list[oracle.Take]) -> float:
+    return oracle.rate(takes, [t.pcm for t in takes])
+
+
+def serve(parts, body, **kw):
+    return oracle_serve(*parts, body, **kw)
+
+
+@pytest.mark.parametrize("cache", ["naive", "paged", "exact", "radix"])
+def test_turn_replies_say_the_question(parts, takes, cache: str) -> None:
+    """Eight takes per cache mode (four in pcm16, four in Opus), a different eight for each mode."""
+    offset = ["naive", "paged", "exact", "radix"].index(cache) * 8
+    some = takes[offset : offset + 8]
+
+    async def body(url, engine):
+        return await replies(url, some[:4], "turn", "pcm16") + await replies(url, some[4:], "turn", "opus")
+
+    heard = oracle.rate(some, serve(parts, body, cache_mode=cache))
+    assert heard >= 0.85 * originals_rate(some), f"{cache}: replies heard {heard:.0%}"
+
+
+def test_no_cross_talk_under_preemption(parts, takes) -> None:
+    """Four conversations at once, each a different sentence, one voice prompt, radix cache, few pages."""
+    model, tok = parts
+    prompt = tok.encode(say(training_sentences(1, seed=5)[0], TRAIN_VOICES[0]))[0]
+    some = takes[40:48:2]  # four sentences, one voice
+
+    async def body(url, engine):
+        got = await replies(url, some, "turn", "pcm16", voice="shared")
+        return got, engine.snapshot().stats.preempted
+
+    got, preemptions = serve(parts, body, voices={"shared": prompt}, cache_mode="radix", num_pages=48)
+    assert preemptions > 0, "the pages were not short enough to force preemption"
+    heard = [oracle.heard(a) for t, a in zip(some, got, strict=True)]
+    others = [{s.index for s in some} - {t.index} for t in some]
+    assert not any(h in o for h, o in zip(heard, others, strict=True)), f"cross-talk: {heard}"
+    assert sum(h == t.index for h, t in zip(heard, some, strict=True)) >= 3, heard
+
+
+def test_duplex_echo_says_the_question(parts, takes) -> None:
+    """Sixteen takes, eight in Opus and eight in pcm16, sent in real time."""
+    some = takes[48:64]
+
+    async def body(url, engine):
+        return await replies(url, some[:8], "duplex", "opus") + await replies(url, some[8:], "duplex", "pcm16")
+
+    heard = oracle.rate(some, serve(parts, body, cache_mode="radix"))
+    assert heard >= 0.8 * originals_rate(some), f"duplex echo heard {heard:.0%}"
+
+
+def test_barge_in_then_a_new_question(parts, takes) -> None:
+    """A reply cut after 20 frames; the next question's reply says the new sentence, and the context holds the 20
+    played frames of the first reply, then the new question."""
+    model, tok = parts
+    engine = Engine(model, tok, EngineConfig(cache_mode="radix", num_pages=512, calibration_ticks=0))
+    cid = engine.open("turn", sampling=SamplingParams(seed=7))
+    conv = engine.sessions[cid] if cid in engine.sessions else None
+    first, second = takes[60], takes[63]
+
+    def say_turn(pcm: np.ndarray) -> None:
+        for a in range(0, len(pcm), 1920):
+            engine.push_audio(cid, pcm[a : a + 1920])
+            engine.step()
+        engine.end_turn(cid)
+
+    say_turn(first.pcm)
+    conv = engine.sessions[cid]
+    while not conv.turns[-1].reply_start or conv.emitted - conv.turns[-1].reply_start < 30:
+        engine.step()
+    cut_turn = conv.turns[-1]
+    played = 20
+    kept = conv.model[cut_turn.reply_start : cut_turn.reply_start + played].copy()
+    engine.interrupt(cid, played)
+    engine.step()
+    list(engine.event_queue(cid).queue)  # what was queued for the cut reply is gone (checked in test_engine)
+    engine.event_queue(cid).queue.clear()
+    say_turn(second.pcm)
+    audio = []
+    while not any(isinstance(e, MetaEvent) and e.data.get("event") == "reply_done" for e in _drain(engine, cid, audio)):
+        engine.step()
+    reply = np.concatenate(audio)
+    assert oracle.heard(reply) == second.index
+    cut = cut_turn.reply_start + played
+    key = conv.key(conv.computed)
+    k = model.config.num_codebooks
+    assert np.array_equal(key[cut_turn.reply_start : cut, k], kept[:, 0]), "the context lost the played frames"
+    delays = model.config.delays
+    follows = [key[cut + d : cut + d + 5, c] for c, d in enumerate(delays)]  # frames cut.. of each user codebook
+    assert (np.stack(follows) != model.config.silent_id).all(), "the next question does not follow the cut"
+
+
+def _drain(engine: Engine, cid: str, audio: list) -> list:
+    events = []
+    queue = engine.event_queue(cid).queue
+    while queue:
+        e = queue.popleft()
+        events.append(e)
+        if isinstance(e, AudioEvent):
+            audio.append(np.asarray(e.pcm))
+    return events
