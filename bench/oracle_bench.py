@@ -71,7 +71,7 @@ async def replies(url: str, takes: list[oracle.Take], mode: str, codec: str, at_
 def serve(model, tok, body, voices: dict | None = None, **engine_kw):
     """An engine (`EngineConfig` from `engine_kw`, with `voices`: name -> prompt codes) behind a server on a free
     port, ticking as `s2s serve` does; returns `await body(url, engine)`."""
-    engine_kw.setdefault("num_pages", 2048)  # naive mode reserves a whole context per conversation
+    engine_kw.setdefault("num_pages", 3072)  # naive mode reserves a whole context per conversation
     engine_kw.setdefault("frames_per_tick", 4)  # as `s2s serve`
     # what is measured is what the replies say, not admission (the cost model, learning on a busy machine, could
     # refuse a conversation); the calibration ticks also warm the engine up before the first duplex stream

@@ -217,7 +217,7 @@ def main(argv: list[str]) -> None:
     args = parser().parse_args(argv)
     args.argv = argv
     if args.quick:
-        args.sentences, args.steps, args.batch, args.log_every = 16, 40, 8, 10
+        args.sentences, args.steps, args.batch, args.log_every = 12, 30, 4, 10
     out = train(args)
     record = json.loads((out / "training.json").read_text())
     curve, held = record["loss_curve"], record["held_out_accuracy"]

@@ -9,6 +9,8 @@ sentences, `speech/oracle.py`): each reply must say its own question.
   context holds only the frames that were played.
 """
 
+import asyncio
+
 import numpy as np
 import pytest
 
@@ -43,12 +45,13 @@ def serve(parts, body, **kw):
 
 @pytest.mark.parametrize("cache", ["naive", "paged", "exact", "radix"])
 def test_turn_replies_say_the_question(parts, takes, cache: str) -> None:
-    """Eight takes per cache mode (four in pcm16, four in Opus), a different eight for each mode."""
+    """Eight takes per cache mode at once (four in pcm16, four in Opus), a different eight for each mode."""
     offset = ["naive", "paged", "exact", "radix"].index(cache) * 8
     some = takes[offset : offset + 8]
 
     async def body(url, engine):
-        return await replies(url, some[:4], "turn", "pcm16") + await replies(url, some[4:], "turn", "opus")
+        pcm16, opus = replies(url, some[:4], "turn", "pcm16"), replies(url, some[4:], "turn", "opus")
+        return sum(await asyncio.gather(pcm16, opus), [])  # all 8 at once
 
     heard = oracle.rate(some, serve(parts, body, cache_mode=cache))
     assert heard >= 0.85 * originals_rate(some), f"{cache}: replies heard {heard:.0%}"
