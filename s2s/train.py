@@ -1,12 +1,11 @@
-"""`s2s train echo`: an `S2SModel` that echoes its user, trained on codes from the shipped codec.
+"""`s2s train echo`: an `S2SModel` that echoes its user, made from codes of the shipped codec.
 
 - Turn mode: it replays the user's speech after the turn ends, then ends its reply (END).
-- Duplex: it repeats the user `--delay` frames later.
+- Duplex: it repeats the user 38 frames (half a second) later.
 
-Replaying a turn of any length is a copy by content (an induction head: find where the user said what I just said,
-say what came next), which a randomly initialised model finds late and unreliably. So the copy circuit is planted
-(`s2s/echo_init.py`), and training teaches the rest: where a reply starts, when it ends (END), the duplex delay, and
-the codec's own codes. A short first stage of random codes, then speech codes from the codec (`--codec`).
+Replaying a turn of any length is a copy by content (an induction head), which a randomly initialised model finds
+late and unreliably. So the circuit is planted (`s2s/echo_init.py`) from what `speech_codes` measures of the codec
+on training speech (its quiet and loud codes); `--steps` can then tune the readout, teacher-forced (`tune`).
 """
 
 from __future__ import annotations
