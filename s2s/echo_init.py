@@ -15,14 +15,16 @@ scales all steps alike: the "most recent" heads below use large weights, and the
   user frame into P and the model's previous codebook 0 into N0; head 1 attends two steps back and writes Q0;
   head 2 finds the most recent event, a loud or a silent user frame (`recent_loud`: 1 loud, -1 silent); head 3
   copies the most recent loud user frame into L. "Most recent" is a slow RoPE pair, steadily falling over about a
-  thousand steps.
+  thousand steps. The MLP clears step 0's P (its previous frame is its own).
 - Layer 1: head 0 is the copy: the model's last frame and a half (M0 M1 N0) against the user's (P0 P1 Q0), at
   RoPE's slowest pairs, which barely turn over a turn; it writes the matched step's user frame into O. Head 2
   starts a reply: on the reply's first step it attends to the turn's onset (a loud frame whose most recent event
-  was not loud) and writes it into O. Head 3 is the duplex echo: 37 steps back while both streams carry codes, else
-  at rest on step 0. Head 1 attends evenly and takes away what the resting heads add to O. The MLP compares M with
+  was not loud) and writes it into O. Head 3 is the duplex echo: the user's frame 37 steps back while both streams
+  carry codes, else at rest on step 0, where layer 0's MLP has cleared P: it then says nothing and flags that the
+  echo waits. Head 1 attends evenly and takes away what the start head adds to O at rest. The MLP compares M with
   L: when the model has just said the turn's last loud frame, END is next.
-- The output heads read O; while the model stream is silent (listening) the quiet code wins.
+- The output heads read O; while the model stream is silent (listening), or the duplex echo waits, the quiet code
+  wins.
 
 Because a step's codebook k holds frame t - k, the copy continues the turn's reply and the duplex echo alike.
 """
@@ -60,7 +62,8 @@ USER_FLAGS = [
     "quiet1",
 ]
 MODEL_FLAGS = ["model0_silent", "model1_silent", "model_end", "model0_quiet", "model1_quiet"]
-FLAGS = ["const", "recent_loud", "end_score", "next_quiet0"] + USER_FLAGS + MODEL_FLAGS
+FLAGS = ["const", "recent_loud", "end_score", "next_quiet0", "no_previous", "before_echo0", "before_echo1"]
+FLAGS += USER_FLAGS + MODEL_FLAGS
 FLAGS += ["prev_" + n for n in USER_FLAGS + MODEL_FLAGS] + ["back2_" + n for n in USER_FLAGS]
 FAST_PAIRS = 8  # RoPE pairs 0..7: attention by exact position
 POSITION = 14.0  # query and key size per fast pair: the peak scores 14 x 14 x 8 / sqrt(128) = 139, its neighbours 14
@@ -74,9 +77,10 @@ RECENT = 175.0  # and of their slow pair: the score falls by about 5 a step
 CODE_GAIN = 30.0  # a code's logit per unit of O along its vector
 DUPLEX_GAIN = 2.0  # in duplex the echo by position outweighs the copy by content
 START_GAIN = 2.0  # on a reply's first step the start outweighs the copy, which has nothing to go on yet
-LEAKS = DUPLEX_GAIN + START_GAIN  # while replying, the duplex and start heads rest, attending evenly
-REST = 36.0  # the duplex head's rest on step 0 scores 36 x 36 / sqrt(128) = 115: under the delay's 139, over the 91
-# of any distance short of it
+REST = (130 * SCORE) ** 0.5  # the duplex head's rest on step 0 scores 130: under the delay's 139, over its
+# neighbours' 125
+HOLD = 50.0  # the quiet code's logit while the duplex echo waits: over what anything else says then
+WAIT = 0.1  # the size of `before_echo`, small so as not to move the norm that the MLP and heads read
 
 
 class Layout:
@@ -139,10 +143,11 @@ def _embeddings(model: S2SModel, lay: Layout, codes: torch.Tensor, quiet: np.nda
 
 
 def _heads(model: S2SModel, lay: Layout, codes: torch.Tensor, quiet: np.ndarray) -> None:
-    """A code scores CODE_GAIN per unit of O along its vector; the quiet code 25 more while the model stream is silent
-    (listening) and 3 more always (what nothing else says); END 100 x (match + replying + next quiet - 3.5), positive
-    only for a full match of M with L (2) while replying (the user stream silent) when the copy's next frame is
-    quiet."""
+    """A code scores CODE_GAIN per unit of O along its vector. The quiet code scores 25 more while the model stream is
+    silent (listening); HOLD more while the duplex echo waits (`before_echo`; the duplex head rests on step 0 in turn
+    mode too, so a silent user stream, a turn's reply, takes it away); 3 more always (what nothing else says). END
+    scores 100 x (match + replying + next quiet - 3.5), positive only for a full match of M with L (2) while replying
+    (the user stream silent) when the copy's next frame is quiet."""
     cfg, heads, f = model.config, model.heads, lay.flag
     s = _rms(cfg, 23)
     heads.zero_()
@@ -150,6 +155,8 @@ def _heads(model: S2SModel, lay: Layout, codes: torch.Tensor, quiet: np.ndarray)
         heads[k, : cfg.codebook_size, lay.block[f"O{k}"]] = CODE_GAIN * s * codes[k]
         heads[k, int(quiet[k]), f[f"model{k}_silent"]] = 25.0 * s
         heads[k, int(quiet[k]), f["const"]] = 3.0 * s
+        heads[k, int(quiet[k]), f[f"before_echo{k}"]] = HOLD / WAIT * s
+        heads[k, int(quiet[k]), f["user0_silent"]] = -HOLD * s
         heads[k, cfg.silent_id, f["const"]] = -25.0 * s
         heads[k, cfg.pad_id, f["const"]] = -25.0 * s
     heads[1, cfg.end_id, f["const"]] = -25.0 * s
@@ -206,9 +213,9 @@ class _Layer:
         self.read(self.q[h], SLOW_PAIR, {d: w * RECENT * np.cos(angle) for d, w in gate.items()})
         self.read(self.q[h], self.half + SLOW_PAIR, {d: w * RECENT * np.sin(angle) for d, w in gate.items()})
 
-    def carry(self, h: int, pairs: list[tuple[str, str]], gain: float = 1.0) -> None:
-        """Head h's value carries each source (a block or a flag) to its target."""
-        row = 0
+    def carry(self, h: int, pairs: list[tuple[str, str]], gain: float = 1.0, row: int = 0) -> int:
+        """Head h's value carries each source (a block or a flag) to its target, from value row `row` on; returns
+        the next free row."""
         for source, target in pairs:
             if source in self.lay.block:
                 src, dst = self.lay.block[source], self.lay.block[target]
@@ -220,6 +227,7 @@ class _Layer:
                 self.read(self.v[h], row, {self.f[source]: 1.0})
                 self.o[h][self.f[target], row] = gain
                 row += 1
+        return row
 
 
 class _Layer0(_Layer):
@@ -234,10 +242,10 @@ class _Layer0(_Layer):
         self.carry(0, prev + [(n, "prev_" + n) for n in USER_FLAGS + MODEL_FLAGS])
         self.position(1, 2, {c: 1.0})
         self.carry(1, [("U0", "Q0"), ("U1", "Q1")] + [(n, "back2_" + n) for n in USER_FLAGS])
-        # head 2: the most recent event, frame t - 1 (codebook 1, delayed) loud or silent: 1 loud, -1 silent. The
-        # conversation's start (step 0, codebook 1 padded) scores 9 more, over step 1, where the codec's first frame
-        # often has a loud codebook 1 before any speech
-        self.read(self.k[2], STATIC, {f["loud1"]: BIG, f["user1_silent"]: BIG, f["user1_pad"]: 9.0 * SCORE / BIG})
+        # head 2: the most recent event, frame t - 1 (codebook 1, delayed) loud or silent: 1 loud, -1 silent. Silence
+        # scores 9 more, over the next step only: the codec's first frame of a stream (at step 0, or after a voice
+        # prompt or a reply) often has a loud codebook 1 before any speech
+        self.read(self.k[2], STATIC, {f["loud1"]: BIG, f["user1_silent"]: BIG + 9.0 * SCORE / BIG})
         self.read(self.q[2], STATIC, {c: BIG})
         self.recent(2, {c: 1.0})
         self.read(self.v[2], 0, {f["loud1"]: 1.0, f["user1_silent"]: -1.0})
@@ -247,6 +255,24 @@ class _Layer0(_Layer):
         self.read(self.q[3], STATIC, {c: BIG})
         self.recent(3, {c: 1.0})
         self.carry(3, [("U0", "L0"), ("U1", "L1")])
+        self._clear_first_previous()
+
+    def _clear_first_previous(self) -> None:
+        """MLP units that take P away at step 0 (its previous frame is its own) and put its norm into `no_previous`,
+        so that every step enters layer 1 with the same norm: silu(G (pad - 1/2)) is G/2 there and nothing
+        elsewhere. The duplex head rests on step 0 and reads P, so it then says nothing."""
+        f, blk, mlp = self.f, self.lay.block, self.layer.mlp
+        s, G = _rms(self.cfg, 20), 40.0
+        gate, up, down = mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+        p = [*range(blk["P0"].start, blk["P0"].stop), *range(blk["P1"].start, blk["P1"].stop)]
+        moves = [(d, d, -1.0) for d in p] + [(f["const"], f["no_previous"], 2**0.5)]  # (read, write, size)
+        for u, (source, target, size) in enumerate(moves):
+            gate[u].zero_()
+            up[u].zero_()
+            gate[u, f["user1_pad"]] = G * s
+            gate[u, f["const"]] = -0.5 * G * s
+            up[u, source] = s
+            down[target, u] = 2.0 * size / G
 
 
 class _Layer1(_Layer):
@@ -266,9 +292,10 @@ class _Layer1(_Layer):
         # step 0 has no previous frame (its P is its own): the copy never attends there
         self.read(self.k[0], MATCH_PAIRS[0] - 1, {f["user1_pad"]: -25.0})
         self.read(self.q[0], MATCH_PAIRS[0] - 1, {c: 25.0})
-        # on the reply's first copy step (the model's last codebook 0 was its quiet code), when the onset's code
-        # recurs, the step after the onset (a loud frame after a quiet or silent one, or the conversation's first)
-        # scores 8 more
+        # on a turn reply's first copy step (the model's last codebook 0 was its quiet code, the user stream is
+        # silent), when the onset's code recurs, the step after the onset (a loud frame after a quiet or silent one,
+        # or the conversation's first) scores 8 more. Not in duplex, where the model says its quiet code before the
+        # echo: the copy would start a reply there
         after_onset = {
             f["prev_loud0"]: 1.0,
             f["back2_quiet0"]: 1.0,
@@ -277,9 +304,9 @@ class _Layer1(_Layer):
             c: -1.0,
         }
         self.read(self.k[0], MATCH_PAIRS[0] - 2, {d: 9.5 * w for d, w in after_onset.items()})
-        self.read(self.q[0], MATCH_PAIRS[0] - 2, {f["prev_model0_quiet"]: 9.5})
+        self.read(self.q[0], MATCH_PAIRS[0] - 2, {f["prev_model0_quiet"]: 9.5, f["user0_silent"]: 9.5, c: -9.5})
         self.carry(0, [("U0", "O0"), ("U1", "O1"), ("quiet0", "next_quiet0"), ("user0_silent", "next_quiet0")])
-        self.carry(1, [("U0", "O0"), ("U1", "O1")], gain=-LEAKS)
+        self.carry(1, [("U0", "O0"), ("U1", "O1")], gain=-START_GAIN)
         # head 2, a reply's start: on the step where the user stream turned silent (codebook 0 silent, 1 not yet),
         # the most recent onset: 2 loud0 - recent_loud - 1 is 1 or 2 there, 0 or less elsewhere
         start = {f["user0_silent"]: 1.0, f["user1_silent"]: -1.0}
@@ -287,13 +314,16 @@ class _Layer1(_Layer):
         self.read(self.q[2], STATIC, {d: w * BIG for d, w in start.items()})
         self.recent(2, start)
         self.carry(2, [("U0", "O0"), ("U1", "O1")], gain=START_GAIN)
-        # head 3, the duplex echo, gated on 1 - model0 silent - user0 silent (both streams carry codes); before the
-        # delay has passed it rests on step 0 (user1 pad), saying the user's first frame
+        # head 3, the duplex echo, gated on 1 - model0 silent - user0 silent (both streams carry codes): the user's
+        # frame 37 back is the previous frame of the step 36 back, when that is a user frame (not the prompt's
+        # silence, nor step 0's own). Else it rests on step 0, whose P is cleared: it says nothing, and it tells the
+        # heads that the echo waits (`before_echo`: codebook 1 also while the frame before the echoed one is silent)
         gate = {c: 1.0, f["model0_silent"]: -1.0, f["user0_silent"]: -1.0}
-        self.position(3, DUPLEX_DELAY - 1, gate, key={c: 1.0, f["user1_pad"]: -1.0})  # step 0: only the rest
+        self.position(3, DUPLEX_DELAY - 2, gate, key={c: 1.0, f["user1_pad"]: -1.0, f["prev_user0_silent"]: -1.0})
         self.read(self.k[3], STATIC, {f["user1_pad"]: REST})
-        self.read(self.q[3], STATIC, {d: w * REST for d, w in gate.items()})
-        self.carry(3, [("U0", "O0"), ("U1", "O1")], gain=DUPLEX_GAIN)
+        self.read(self.q[3], STATIC, {c: REST})
+        row = self.carry(3, [("P0", "O0"), ("P1", "O1")], gain=DUPLEX_GAIN)
+        self.carry(3, [("user1_pad", "before_echo0"), ("prev_user1_silent", "before_echo1")], gain=WAIT, row=row)
         self._end_score()
 
     def _end_score(self) -> None:

@@ -34,6 +34,8 @@ class Recognizer:
 
     def transcribe(self, pcm: np.ndarray, rate: int = 24000) -> str:
         """The sentence of the set that best fits `pcm` (float32), or "" when the search ends nowhere."""
+        if len(pcm) == 0:
+            return ""  # pocketsphinx fails on an empty buffer, and stays failed
         audio = soxr.resample(np.asarray(pcm, dtype=np.float32), rate, RATE) if rate != RATE else pcm
         self.decoder.start_utt()
         self.decoder.process_raw((np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes(), False, True)

@@ -18,6 +18,7 @@ from bench.oracle_bench import replies
 from bench.oracle_bench import serve as oracle_serve
 from codec import EncodecTokenizer
 from s2s import Engine, EngineConfig, S2SModel, SamplingParams
+from s2s.echo_init import DUPLEX_DELAY
 from s2s.events import AudioEvent, MetaEvent
 from s2s.weights import shipped
 from speech import oracle
@@ -84,6 +85,48 @@ def test_duplex_echo_says_the_question(parts, takes) -> None:
 
     heard = oracle.rate(some, serve(parts, body, cache_mode="radix"))
     assert heard >= 0.8 * originals_rate(some), f"duplex echo heard {heard:.0%}"
+
+
+def test_duplex_waits_quietly_then_echoes_38_frames_later(parts, takes) -> None:
+    """Through the engine alone, sampled: until the delay has passed the model says the codec's quiet frame (not the
+    user's first frame, nor a stray code that sets the copy going), then the user's frames 38 back."""
+    model, tok = parts
+    quiet = tok.encode(np.zeros(24000, np.float32))[0, :, -1].numpy()
+    engine = Engine(model, tok, EngineConfig(cache_mode="radix", num_pages=512, calibration_ticks=0))
+    cid = engine.open("duplex", sampling=SamplingParams(seed=12))
+    pcm = np.concatenate([takes[24].pcm, np.zeros(12000, np.float32)])  # a take that starts loud
+    for a in range(0, len(pcm), 1920):
+        engine.push_audio(cid, pcm[a : a + 1920])
+        for _ in range(8):
+            engine.step()
+    conv = engine.sessions[cid]
+    said = np.stack([conv.model[f] for f in range(conv.complete_model_frames())])
+    assert len(said) > 2 * DUPLEX_DELAY
+    assert (said[1:DUPLEX_DELAY] == quiet).all(), "the duplex stream spoke before its delay"
+    heard = np.stack([conv.user[f] for f in range(len(said) - DUPLEX_DELAY)])
+    assert (said[DUPLEX_DELAY:] == heard).all(axis=1).mean() >= 0.95
+
+
+def test_reply_after_a_voice_prompt_starts_at_the_turn(parts, takes) -> None:
+    """After a voice prompt the codec's first frame of the user's stream can have a loud codebook 1 before any
+    speech: the reply still starts at the turn's first loud frame, and replays the turn from there."""
+    model, tok = parts
+    engine = Engine(model, tok, EngineConfig(cache_mode="radix", num_pages=512, calibration_ticks=0))
+    engine.add_voice("shared", tok.encode(say(training_sentences(1, seed=5)[0], TRAIN_VOICES[0]))[0])
+    cid = engine.open("turn", prompt="shared", sampling=SamplingParams(seed=40))
+    for a in range(0, len(takes[40].pcm), 1920):
+        engine.push_audio(cid, takes[40].pcm[a : a + 1920])
+        engine.step()
+    engine.end_turn(cid)
+    conv = engine.sessions[cid]
+    while conv.turns[-1].reply_end is None:
+        engine.step()
+    turn = conv.turns[-1]
+    user = np.stack([conv.user[f] for f in range(turn.first_frame, turn.reply_start)])
+    reply = np.stack([conv.model[f] for f in range(turn.reply_start + 1, turn.reply_end)])  # after its quiet frame
+    onset = int(np.flatnonzero(user[:, 0] != user[0, 0])[0])  # the turn opens on a quiet frame
+    assert len(reply) >= 0.8 * (len(user) - onset), "the reply ended early"
+    assert (reply[:20, 0] == user[onset : onset + 20, 0]).all(), "the reply did not start at the turn's onset"
 
 
 def test_barge_in_then_a_new_question(parts, takes) -> None:
