@@ -309,13 +309,13 @@ class Engine:
         self.stats.phase_seconds["model"] += self.clock() - t
 
     def _sample(self, sessions: list[Session]) -> None:
-        todo = [s for s in sessions if s.last_logits is not None and s.wanted()]
+        todo = [(s, wanted) for s in sessions if s.last_logits is not None and (wanted := s.wanted())]
         if not todo:
             return
-        codes = self.runner.sample(todo)
+        codes = self.runner.sample([s for s, _ in todo])
         now = self.clock()
-        for s, c in zip(todo, codes, strict=True):
-            filled = s.accept(c)
+        for (s, filled), c in zip(todo, codes, strict=True):
+            s.accept(c, filled)
             if s.phase is Phase.REPLY:
                 s.turns[-1].times.setdefault("first_step", now)
                 s.end_reply_at(filled, self.cfg.max_reply_frames)

@@ -70,6 +70,20 @@ class Frames:
             out[head] = self.head[frames[head], codebooks[head]]
         return out
 
+    def recent(self, a: int, b: int, codebook: int) -> np.ndarray:
+        """Codebook `codebook` of frames `a`..`b`-1, all from `start` on (the tick's usual read), as a view; shorter
+        than `b - a` where it runs past the end (those frames are UNKNOWN)."""
+        if a < self.start:
+            raise IndexError(f"frame {a} is before the recent frames ({self.start} on)")
+        return self.data[a - self.start : b - self.start, codebook]
+
+    def code(self, frame: int, codebook: int) -> int:
+        """One code (UNKNOWN past the end); `frame` must not be forgotten."""
+        if frame >= self.start:
+            row = frame - self.start
+            return int(self.data[row, codebook]) if row < len(self.data) else UNKNOWN
+        return int(self._row(frame)[0][frame, codebook])
+
     def forgotten(self, frame: int) -> bool:
         return len(self.head) <= frame < self.start
 

@@ -70,17 +70,43 @@ def sample(
     if all(p.temperature == 0 for p in params):
         return greedy
 
-    temps = logits.new_tensor([max(p.temperature, 1e-6) for p in params])[:, None, None]
-    sorted_logits, order = (logits / temps).sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=logits.device)
-    top_k = logits.new_tensor([p.top_k if p.top_k > 0 else vocab for p in params])[:, None, None]
-    sorted_logits = sorted_logits.masked_fill(rank >= top_k, float("-inf"))
-    probs = sorted_logits.softmax(-1)  # top-p applies to what top-k kept, as in vLLM
-    top_p = logits.new_tensor([p.top_p for p in params])[:, None, None]
-    keep = (probs.cumsum(-1) - probs) < top_p  # the first token is always kept
-    gumbel = -torch.log(-torch.log(noise.clamp_min(1e-20)))
-    # the noise is indexed by vocabulary id, not by rank, so ties in sorting cannot change the draw
-    scores = torch.where(keep, sorted_logits + gumbel.gather(-1, order), float("-inf"))
-    sampled = order.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+    sampled = torch.empty_like(greedy)
+    nucleus = [p.top_p < 1 for p in params]
+    for with_nucleus in (True, False):
+        rows = [i for i in range(num_seqs) if nucleus[i] == with_nucleus]
+        if not rows:
+            continue
+        index, chosen = torch.tensor(rows, device=logits.device), [params[i] for i in rows]
+        scaled = logits[index] / logits.new_tensor([max(p.temperature, 1e-6) for p in chosen])[:, None, None]
+        top_k = logits.new_tensor([p.top_k if p.top_k > 0 else vocab for p in chosen])[:, None, None]
+        if with_nucleus:
+            sampled[index] = _top_k_top_p(scaled, noise[index], top_k, scaled.new_tensor([p.top_p for p in chosen]))
+        else:
+            sampled[index] = _top_k(scaled, noise[index], top_k)
     is_greedy = logits.new_tensor([p.temperature == 0 for p in params], dtype=torch.bool)[:, None]
     return torch.where(is_greedy, greedy, sampled)
+
+
+def _gumbel(noise: torch.Tensor) -> torch.Tensor:
+    return -torch.log(-torch.log(noise.clamp_min(1e-20)))
+
+
+def _top_k_top_p(scaled: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max within the top-k, then the top-p of what it kept (as vLLM): a sort of the whole vocabulary."""
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(scaled.shape[-1], device=scaled.device)
+    sorted_logits = sorted_logits.masked_fill(rank >= top_k, float("-inf"))
+    probs = sorted_logits.softmax(-1)
+    keep = (probs.cumsum(-1) - probs) < top_p[:, None, None]  # the first token is always kept
+    # the noise is indexed by vocabulary id, not by rank, so ties in sorting cannot change the draw
+    scores = torch.where(keep, sorted_logits + _gumbel(noise.gather(-1, order)), float("-inf"))
+    return order.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
+
+
+def _top_k(scaled: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max within the top-k (no nucleus): `topk` of the largest k asked for, not a sort of the whole
+    vocabulary, which was most of a CPU tick's sampling at hundreds of conversations."""
+    values, ids = scaled.topk(int(top_k.max()), dim=-1)
+    rank = torch.arange(values.shape[-1], device=scaled.device)
+    scores = values.masked_fill(rank >= top_k, float("-inf")) + _gumbel(noise.gather(-1, ids))
+    return ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)

@@ -53,6 +53,8 @@ class Session(TurnLifecycle):
         self.sampling = sampling
         self.generator = sampling.generator()
         self.delays = np.asarray(cfg.delays)
+        self.codebook_delays = list(enumerate(cfg.delays))  # (codebook, delay), for the per-step Python reads
+        self.min_delay, self.max_delay = min(cfg.delays), max(cfg.delays)
         self.user, self.model = Frames(cfg.num_codebooks), Frames(cfg.num_codebooks)
         self.complete = 0  # model frames known in every codebook, from frame 0 (`complete_model_frames`)
         self.user_frames = 0  # frames of the user stream known so far (contiguous)
@@ -156,13 +158,16 @@ class Session(TurnLifecycle):
 
     def step_token(self, t: int) -> np.ndarray | None:
         """Step t's 2K codes, or None while some of them are unknown."""
-        if (t - self.delays).max() >= len(self.user):
+        if t - self.min_delay >= len(self.user):
             return None
         token = self._tokens(t, t + 1)[0]
         return None if (token == UNKNOWN).any() else token
 
     def _tokens(self, start: int, stop: int) -> np.ndarray:
         """Steps start..stop-1 as `[n, 2K]`, UNKNOWN where a code is not known (frames within the arrays)."""
+        low = start - self.max_delay
+        if low >= self.user.start and low >= self.model.start:  # each tick's read: recent frames, none padded
+            return self._recent_tokens(start, stop)
         frames = np.arange(start, stop)[:, None] - self.delays[None, :]
         idx = np.arange(len(self.delays))[None, :]
         safe = np.maximum(frames, 0)
@@ -170,9 +175,18 @@ class Session(TurnLifecycle):
         model = np.where(frames < 0, self.cfg.pad_id, self.model.gather(safe, idx))
         return np.concatenate([user, model], axis=1)
 
+    def _recent_tokens(self, start: int, stop: int) -> np.ndarray:
+        """`_tokens` of steps whose frames are all held from the streams' `start` on: a slice per codebook."""
+        tokens = np.full((stop - start, 2 * len(self.delays)), UNKNOWN, dtype=np.int64)
+        for k, d in self.codebook_delays:
+            for column, stream in ((k, self.user), (len(self.delays) + k, self.model)):
+                codes = stream.recent(start - d, stop - d, k)
+                tokens[: len(codes), column] = codes
+        return tokens
+
     def _steps_in_arrays(self) -> int:
         """Steps from this one on need a frame beyond the stream arrays: none of them is known."""
-        return max(0, len(self.user) + int(self.delays.min()))
+        return max(0, len(self.user) + self.min_delay)
 
     @staticmethod
     def _known_run(tokens: np.ndarray) -> np.ndarray:
@@ -248,13 +262,13 @@ class Session(TurnLifecycle):
 
     def wanted_after(self, steps: int) -> list[tuple[int, int]]:
         """What sampling would fill once `steps` more steps are computed."""
-        t = self.computed + steps
-        out = []
-        for k, d in enumerate(self.delays):
+        t, model = self.computed + steps, self.model
+        end, out = len(model), []
+        for k, d in self.codebook_delays:
             f = t - d
-            if not 0 <= f < len(self.model) or self.model.forgotten(f):  # (forgotten frames were all known)
+            if not 0 <= f < end or model.forgotten(f):  # (forgotten frames were all known)
                 continue
-            if self.model[f, k] == UNKNOWN and self._predicted(f):
+            if model.code(f, k) == UNKNOWN and self._predicted(f):
                 out.append((f, k))
         return out
 
@@ -269,13 +283,11 @@ class Session(TurnLifecycle):
             and (turn.reply_end is None or frame < turn.reply_end)
         )
 
-    def accept(self, codes: np.ndarray) -> list[tuple[int, int]]:
-        """Fill the wanted (frame, codebook) pairs from sampled step codes `[K]`; returns what was filled."""
-        filled = self.wanted()
+    def accept(self, codes: np.ndarray, wanted: list[tuple[int, int]]) -> None:
+        """Fill the `wanted()` (frame, codebook) pairs from sampled step codes `[K]`."""
         self._ensure(self.computed + 2)
-        for f, k in filled:
+        for f, k in wanted:
             self.model[f, k] = codes[k]
-        return filled
 
     def complete_model_frames(self) -> int:
         """Model frames whose every codebook is known, counted from frame 0 (contiguous)."""

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from s2s import ModelConfig, PagedBatch, S2SModel, SamplingParams, sample
+from s2s.sampling import _top_k, _top_k_top_p
 
 
 class Pages:
@@ -182,6 +183,16 @@ def test_generation_alone_equals_in_batch(tiny: S2SModel, params: SamplingParams
     together = generate(tiny, prompts, 50, [params, *others])[0]
     assert torch.equal(alone, together)
     assert (alone != cfg.pad_id).all()
+
+
+def test_top_k_without_nucleus_draws_what_the_sorted_vocabulary_draws() -> None:
+    """Rows with top_p 1 take `topk` of their largest k, not a sort of the whole vocabulary: the same draw."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(20):
+        scaled = 3 * torch.randn(8, 2, 1027, generator=g)
+        noise = torch.rand(8, 2, 1027, generator=g)
+        top_k = torch.tensor([250, 50, 1027, 1] * 2, dtype=torch.float)[:, None, None]
+        assert torch.equal(_top_k(scaled, noise, top_k), _top_k_top_p(scaled, noise, top_k, torch.ones(8)))
 
 
 def test_sampling_rules() -> None:
