@@ -1,12 +1,14 @@
 """Concurrency benchmark: duplex and turn sweeps through the real server, clients over websockets.
 
     s2s bench concurrency [--quick] [--json PATH] [--plot PATH] [--preset small] [--levels 1,2,4,8,16,32]
+        [--modes duplex,turn] [--client-procs P] [--ramp-s 3.2]
 
 `s2s serve` runs in a child process (its own GIL, as in use), one per mode, on the offline default model (`--preset`,
 seeded weights) with 4-frame ticks and one torch thread (`--threads`; on 2 cores, per-op thread overhead dominates at
-these shapes and a second thread fights the clients and the event loop). For each level N, N clients (asyncio, in
-this process, pcm16 to keep their own CPU low on a 2-core machine) connect 0.1 s apart and stream espeak-ng speech in
-real time (80 ms blocks, as Moshi's client does). Measured per level:
+these shapes and a second thread fights the clients and the event loop). For each level N, N clients (asyncio, pcm16
+to keep their own CPU low on a 2-core machine; in this process, or spread over `--client-procs` processes of their
+own, so that hundreds of real-time clients do not share one event loop) connect 0.1 s apart (`--ramp-s` / N apart
+beyond 32) and stream espeak-ng speech in real time (80 ms blocks, as Moshi's client does). Measured per level:
 - duplex `latency_ms`: output lag, when each reply chunk's last sample arrives minus when the user spoke the sample
   at the same position (the client sends an 80 ms block once it is spoken, as a microphone does): the block, the
   engine's tick and jitter, the network;
@@ -20,7 +22,10 @@ real time (80 ms blocks, as Moshi's client does). Measured per level:
 from __future__ import annotations
 
 import asyncio
+import math
+import multiprocessing
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import matplotlib
 
@@ -43,6 +48,7 @@ from bench.common import (
     write_json,
 )
 from codec.tokenizer import SAMPLE_RATE
+from s2s.config import FRAME_S
 from server.client import talk
 from server.process import ServerProcess
 from server.speech import speech
@@ -94,10 +100,32 @@ async def turn_client(url: str, pcm: np.ndarray) -> dict:
     }
 
 
-async def run_level(url: str, pid: int, mode: str, speech_per_client: list[np.ndarray]) -> dict:
+def clients(url: str, mode: str, pcms: list[np.ndarray], starts: list[float]) -> list[dict]:
+    """Conversations that each start at their `time.monotonic()` in `starts` (the clock is the machine's, the same
+    in every process), all in this process's event loop."""
+
+    async def one(pcm: np.ndarray, at: float) -> dict:
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        return await (duplex_client if mode == "duplex" else turn_client)(url, pcm)
+
+    async def all_of_them() -> list[dict]:
+        return await asyncio.gather(*(one(p, t) for p, t in zip(pcms, starts, strict=True)))
+
+    return asyncio.run(all_of_them())
+
+
+async def run_level(
+    url: str,
+    pid: int,
+    mode: str,
+    speech_per_client: list[np.ndarray],
+    pool: ProcessPoolExecutor | None,
+    workers: int,
+    ramp_s: float,
+) -> dict:
+    """One level: its clients in this process, or dealt round robin to the `workers` processes of `pool`."""
     n = len(speech_per_client)
     before = scrape(url)
-    clients = []
     stop = asyncio.Event()
     peak = {"rss": 0, "pages": 0.0}
 
@@ -111,11 +139,17 @@ async def run_level(url: str, pid: int, mode: str, speech_per_client: list[np.nd
 
     poller = asyncio.create_task(poll())
     t0 = time.monotonic()
-    for i in range(n):
-        fn = duplex_client if mode == "duplex" else turn_client
-        clients.append(asyncio.create_task(fn(url, speech_per_client[i])))
-        await asyncio.sleep(0.1)
-    done = await asyncio.gather(*clients)
+    starts = [t0 + i * min(0.1, ramp_s / n) for i in range(n)]
+    if pool is None:
+        done = await asyncio.to_thread(clients, url, mode, speech_per_client, starts)
+    else:
+        loop = asyncio.get_running_loop()
+        shares = [
+            loop.run_in_executor(pool, clients, url, mode, speech_per_client[w::workers], starts[w::workers])
+            for w in range(workers)
+            if speech_per_client[w::workers]
+        ]
+        done = [d for share in await asyncio.gather(*shares) for d in share]
     wall = time.monotonic() - t0
     stop.set()
     await poller
@@ -158,24 +192,35 @@ def main() -> None:
     p.add_argument("--levels", default="1,2,4,8,16,32", help="numbers of concurrent conversations")
     p.add_argument("--seconds", type=float, default=8.0, help="speech per client")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server (0: one per core)")
+    p.add_argument("--modes", default="duplex,turn", help="which sweeps: duplex, turn or both")
+    p.add_argument("--client-procs", type=int, default=0, help="processes for the clients (0: in this process)")
+    p.add_argument("--ramp-s", type=float, default=3.2, help="clients start 0.1 s apart, or over this many seconds")
     add_device_args(p)
     args = p.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
-    modes = ["duplex", "turn"]
+    modes = args.modes.split(",")
+    if not set(modes) <= {"duplex", "turn"} or args.client_procs < 0:
+        raise SystemExit(f"--modes takes duplex and turn, --client-procs 0 or more: {args.modes}, {args.client_procs}")
     if args.quick:
         levels, args.seconds = [1, 2, 4], 3.0
     serve_args = ["--preset", args.preset, "--frames-per-tick", "4", "--max-reply-frames", "225"]
     serve_args += ["--threads", str(args.threads), *device_server_args(args)]
-    serve_args += ["--max-conversations-per-client", "0"]  # every client connects from this process
+    serve_args += ["--max-conversations-per-client", "0"]  # every client connects from this host
+    pages = max(levels) * (math.ceil((args.seconds + 1) / FRAME_S / 16) + 2)  # each one's speech, and its reply
+    serve_args += ["--max-conversations", str(max(32, max(levels))), "--kv-pages", str(max(4096, pages))]
     device = device_name(args.device)
     pcm = utterances(args.seconds, max(levels))
     rows = []
+    pool = None
+    if args.client_procs:  # spawned once, before any server: a fresh interpreter each, no forked event loop
+        pool = ProcessPoolExecutor(args.client_procs, mp_context=multiprocessing.get_context("spawn"))
+        list(pool.map(time.sleep, [0.0] * args.client_procs))  # started and warm before the first level's clock
     bar = tqdm(total=len(modes) * len(levels), desc="concurrency")
     for mode in modes:
         server = ServerProcess(*serve_args)
         with server as url:
             for n in levels:
-                row = asyncio.run(run_level(url, server.proc.pid, mode, pcm[:n]))
+                row = asyncio.run(run_level(url, server.proc.pid, mode, pcm[:n], pool, args.client_procs, args.ramp_s))
                 rows.append(
                     {
                         "bench": "concurrency",
@@ -187,6 +232,7 @@ def main() -> None:
                         "server_device": device,
                         "cuda_graphs": not args.enforce_eager,
                         "client_codec": "pcm16",
+                        "client_procs": args.client_procs,
                         "seconds_per_client": args.seconds,
                         **row,
                         **environment(),
@@ -195,6 +241,8 @@ def main() -> None:
                 write_json(args.json, rows)  # each level as it finishes: a run cut short keeps what it measured
                 bar.update()
     bar.close()
+    if pool is not None:
+        pool.shutdown()
     columns = [
         ("mode", "mode"),
         ("concurrency", "N"),
