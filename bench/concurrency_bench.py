@@ -79,10 +79,10 @@ def _refusal(errors: list[str]) -> str | None:
     return next((e for e in errors if "refused" in e), None)
 
 
-async def duplex_client(url: str, pcm: np.ndarray) -> dict:
+async def duplex_client(url: str, pcm: np.ndarray, codec: str = "pcm16") -> dict:
     """One duplex conversation; the lag of each received chunk against the send clock."""
     arrivals: list[tuple[float, int]] = []
-    result = await talk(url, pcm, mode="duplex", codec="pcm16", listen_s=0.5, on_audio=arrivals.append)
+    result = await talk(url, pcm, mode="duplex", codec=codec, listen_s=0.5, on_audio=arrivals.append)
     lags, received = [], 0
     for t, n in arrivals:
         received += n  # output sample k answers the user's sample k, spoken at speech_started + k / SAMPLE_RATE
@@ -100,13 +100,13 @@ async def turn_client(url: str, pcm: np.ndarray) -> dict:
     }
 
 
-def clients(url: str, mode: str, pcms: list[np.ndarray], starts: list[float]) -> list[dict]:
+def clients(url: str, mode: str, pcms: list[np.ndarray], starts: list[float], codec: str = "pcm16") -> list[dict]:
     """Conversations that each start at their `time.monotonic()` in `starts` (the clock is the machine's, the same
-    in every process), all in this process's event loop."""
+    in every process), all in this process's event loop; turn mode speaks pcm16."""
 
     async def one(pcm: np.ndarray, at: float) -> dict:
         await asyncio.sleep(max(0.0, at - time.monotonic()))
-        return await (duplex_client if mode == "duplex" else turn_client)(url, pcm)
+        return await (duplex_client(url, pcm, codec) if mode == "duplex" else turn_client(url, pcm))
 
     async def all_of_them() -> list[dict]:
         return await asyncio.gather(*(one(p, t) for p, t in zip(pcms, starts, strict=True)))

@@ -181,6 +181,7 @@ class ChatServer:
             max_size=self.options.max_message_bytes,
             open_timeout=self.options.handshake_timeout_s,  # a request that stalls half-sent holds a socket
             ping_interval=20,
+            compression=None,  # audio does not deflate (Opus, base64 PCM): it cost the event loop a tenth of its time
             server_header="s2s",  # not websockets' default, which tells Python's version and its own
             ssl=self.options.tls(),
         )
