@@ -294,7 +294,7 @@ class Session(TurnLifecycle):
         while self.complete < len(self.model):
             if self.model.forgotten(self.complete):
                 self.complete = self.model.start  # forgotten frames were all complete
-            elif (self.model[self.complete] != UNKNOWN).all():
+            elif all(self.model.code(self.complete, k) != UNKNOWN for k in range(len(self.delays))):
                 self.complete += 1
             else:
                 break
