@@ -82,7 +82,8 @@ class Frames:
         if frame >= self.start:
             row = frame - self.start
             return int(self.data[row, codebook]) if row < len(self.data) else UNKNOWN
-        return int(self._row(frame)[0][frame, codebook])
+        array, row = self._row(frame)
+        return int(array[row, codebook])
 
     def forgotten(self, frame: int) -> bool:
         return len(self.head) <= frame < self.start
