@@ -114,6 +114,29 @@ def clients(url: str, mode: str, pcms: list[np.ndarray], starts: list[float], co
     return asyncio.run(all_of_them())
 
 
+def client_pool(procs: int) -> ProcessPoolExecutor:
+    """`procs` client processes, spawned (a fresh interpreter each, no forked event loop) and started, so that none
+    starts on a level's clock."""
+    pool = ProcessPoolExecutor(procs, mp_context=multiprocessing.get_context("spawn"))
+    list(pool.map(time.sleep, [0.0] * procs))
+    return pool
+
+
+async def dealt(
+    pool: ProcessPoolExecutor, workers: int, url: str, mode: str, pcms: list, starts: list[float], codec: str = "pcm16"
+) -> list[dict]:
+    """`clients` dealt round robin to the `workers` processes of `pool`; their results in the order of `pcms`."""
+    loop = asyncio.get_running_loop()
+    shares = [
+        loop.run_in_executor(pool, clients, url, mode, pcms[w::workers], starts[w::workers], codec)
+        for w in range(workers)
+    ]
+    done: list = [None] * len(pcms)
+    for w, share in enumerate(await asyncio.gather(*shares)):
+        done[w::workers] = share
+    return done
+
+
 async def run_level(
     url: str,
     pid: int,
@@ -143,13 +166,7 @@ async def run_level(
     if pool is None:
         done = await asyncio.to_thread(clients, url, mode, speech_per_client, starts)
     else:
-        loop = asyncio.get_running_loop()
-        shares = [
-            loop.run_in_executor(pool, clients, url, mode, speech_per_client[w::workers], starts[w::workers])
-            for w in range(workers)
-            if speech_per_client[w::workers]
-        ]
-        done = [d for share in await asyncio.gather(*shares) for d in share]
+        done = await dealt(pool, workers, url, mode, speech_per_client, starts)
     wall = time.monotonic() - t0
     stop.set()
     await poller
@@ -211,10 +228,7 @@ def main() -> None:
     device = device_name(args.device)
     pcm = utterances(args.seconds, max(levels))
     rows = []
-    pool = None
-    if args.client_procs:  # spawned once, before any server: a fresh interpreter each, no forked event loop
-        pool = ProcessPoolExecutor(args.client_procs, mp_context=multiprocessing.get_context("spawn"))
-        list(pool.map(time.sleep, [0.0] * args.client_procs))  # started and warm before the first level's clock
+    pool = client_pool(args.client_procs) if args.client_procs else None  # once, before any server
     bar = tqdm(total=len(modes) * len(levels), desc="concurrency")
     for mode in modes:
         server = ServerProcess(*serve_args)

@@ -14,7 +14,6 @@ the streams one core of front-end time carries (1 / the first).
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -26,7 +25,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from bench.common import environment, parser, print_table, save_outputs, write_json
-from bench.concurrency_bench import clients, utterances
+from bench.concurrency_bench import client_pool, dealt, utterances
 from codec.tokenizer import SAMPLE_RATE
 from server.process import ServerProcess
 
@@ -46,18 +45,12 @@ def thread_cpu_s(pid: int) -> dict[int, float]:
 
 
 async def measure(url: str, pid: int, pcms: list, pool: ProcessPoolExecutor, workers: int) -> dict:
-    """One level: every client at once (0.1 s apart), the server's CPU time over it by thread."""
+    """One level: its clients 0.1 s apart, the server's CPU time over it by thread."""
     before = thread_cpu_s(pid)
-    loop = asyncio.get_running_loop()
-    start = loop.time()
-    starts = [time.monotonic() + 0.1 * i for i in range(len(pcms))]
-    shares = [
-        loop.run_in_executor(pool, clients, url, "duplex", pcms[w::workers], starts[w::workers], "opus")
-        for w in range(workers)
-        if pcms[w::workers]
-    ]
-    done = [d for share in await asyncio.gather(*shares) for d in share]
-    wall = loop.time() - start
+    start = time.monotonic()
+    starts = [start + 0.1 * i for i in range(len(pcms))]
+    done = await dealt(pool, workers, url, "duplex", pcms, starts, "opus")
+    wall = time.monotonic() - start
     after = thread_cpu_s(pid)
     spent = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
     front = spent.get(pid, 0.0)
@@ -85,8 +78,7 @@ def main() -> None:
     seconds = 4.0 if args.quick else args.seconds
     pcm = utterances(seconds, max(levels))
     serve_args = ["--threads", "1", "--frames-per-tick", "4", "--max-conversations-per-client", "0"]
-    pool = ProcessPoolExecutor(args.client_procs, mp_context=multiprocessing.get_context("spawn"))
-    list(pool.map(abs, range(args.client_procs)))  # started before the first level's clock
+    pool = client_pool(args.client_procs)
     rows, env = [], environment()
     server = ServerProcess(*serve_args)
     with server as url, pool:
