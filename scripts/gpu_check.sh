@@ -2,9 +2,9 @@
 # The checks that need an NVIDIA GPU, in one run: the Triton kernels and the CUDA-graph decode path against their
 # references on CUDA, the demo on the GPU, then the benchmarks whose targets need one (the decode step, the cascade
 # at 1/4/16, concurrency to 32), and the duplex sweeps to 512 conversations with `small` and `base` (issue 22: the
-# load generator in 12 processes of its own). Every stage has its own time limit and runs even if an earlier one failed (if the
-# graph tests fail, the benchmarks run with --enforce-eager); after each, OUTDIR is packed into TARBALL (when
-# given), so what finished survives a run that is cut short.
+# load generator in 12 processes of its own). Every stage has its own time limit and runs even if an earlier one
+# failed (if the graph tests fail, the benchmarks run with --enforce-eager); after each, OUTDIR is packed into
+# TARBALL (when given), so what finished survives a run that is cut short.
 #   bash scripts/gpu_check.sh OUTDIR [TARBALL]     (on the H200 the stages took 46, 22, 32, 24, 203 and about 150 s)
 #   STAGES="graph-tests sweep-small sweep-base" bash scripts/gpu_check.sh OUTDIR     (issue 22's run, not yet made)
 # Environment: PYTHON (python3), DEVICE (cuda), STAGES (all: kernel-tests graph-tests demo model cascade concurrency

@@ -361,7 +361,7 @@ async def _demo(args: argparse.Namespace) -> None:
     from server.app import ChatServer, ServerOptions
     from server.audio import save_wav
     from server.client import talk
-    from speech.recognizer import Recognizer
+    from speech import oracle
     from speech.sentences import HELDOUT_SENTENCES
     from speech.voices import HELDOUT_VOICES, say
 
@@ -374,9 +374,9 @@ async def _demo(args: argparse.Namespace) -> None:
     server = ChatServer(engine, ServerOptions(port=0))
     port = await server.start()
     url = f"ws://127.0.0.1:{port}"
-    weights = f"model {model}, codec {codec}" if model and codec else "seeded random weights: the replies are noise"
-    print(f"server on {url}/api/chat ({weights})")
-    hear = Recognizer(HELDOUT_SENTENCES)
+    loaded = f"model {model}, codec {codec}" if model and codec else "seeded random weights: the replies are noise"
+    print(f"server on {url}/api/chat ({loaded})")
+    hear = oracle.recognizer()
     try:
         question = say(args.sentence, HELDOUT_VOICES[0])
         print(f"user ({HELDOUT_VOICES[0]}): {args.sentence!r}, {len(question) / 24000:.2f} s")
