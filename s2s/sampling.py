@@ -78,11 +78,12 @@ def sample(
             continue
         index, chosen = torch.tensor(rows, device=logits.device), [params[i] for i in rows]
         scaled = logits[index] / logits.new_tensor([max(p.temperature, 1e-6) for p in chosen])[:, None, None]
-        top_k = logits.new_tensor([p.top_k if p.top_k > 0 else vocab for p in chosen])[:, None, None]
+        ks = [p.top_k if p.top_k > 0 else vocab for p in chosen]
+        top_k = logits.new_tensor(ks)[:, None, None]
         if with_nucleus:
             sampled[index] = _top_k_top_p(scaled, noise[index], top_k, scaled.new_tensor([p.top_p for p in chosen]))
         else:
-            sampled[index] = _top_k(scaled, noise[index], top_k)
+            sampled[index] = _top_k(scaled, noise[index], top_k, max(ks))
     is_greedy = logits.new_tensor([p.temperature == 0 for p in params], dtype=torch.bool)[:, None]
     return torch.where(is_greedy, greedy, sampled)
 
@@ -103,10 +104,10 @@ def _top_k_top_p(scaled: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor,
     return order.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
 
 
-def _top_k(scaled: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """Gumbel-max within the top-k (no nucleus): `topk` of the largest k asked for, not a sort of the whole
-    vocabulary, which was most of a CPU tick's sampling at hundreds of conversations."""
-    values, ids = scaled.topk(int(top_k.max()), dim=-1)
+def _top_k(scaled: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor, largest: int) -> torch.Tensor:
+    """Gumbel-max within the top-k (no nucleus): `topk` of the `largest` k asked for (known on the host: no device
+    sync), not a sort of the whole vocabulary, which was most of a CPU tick's sampling at hundreds of conversations."""
+    values, ids = scaled.topk(largest, dim=-1)
     rank = torch.arange(values.shape[-1], device=scaled.device)
     scores = values.masked_fill(rank >= top_k, float("-inf")) + _gumbel(noise.gather(-1, ids))
     return ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)

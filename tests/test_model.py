@@ -192,7 +192,7 @@ def test_top_k_without_nucleus_draws_what_the_sorted_vocabulary_draws() -> None:
         scaled = 3 * torch.randn(8, 2, 1027, generator=g)
         noise = torch.rand(8, 2, 1027, generator=g)
         top_k = torch.tensor([250, 50, 1027, 1] * 2, dtype=torch.float)[:, None, None]
-        assert torch.equal(_top_k(scaled, noise, top_k), _top_k_top_p(scaled, noise, top_k, torch.ones(8)))
+        assert torch.equal(_top_k(scaled, noise, top_k, 1027), _top_k_top_p(scaled, noise, top_k, torch.ones(8)))
 
 
 def test_sampling_rules() -> None:
