@@ -36,6 +36,8 @@ async function loadSettings() {
   for (const key of ["voice", "temperature", "top_k", "top_p", "seed", "token"]) if (page.has(key)) $(key).value = page.get(key);
 }
 
+const settingsRead = loadSettings();
+
 function query() {
   const form = new FormData($("settings"));
   const q = new URLSearchParams();
@@ -46,6 +48,7 @@ function query() {
 // ---- the conversation -------------------------------------------------------------------------------------------
 
 async function start() {
+  await settingsRead;  // the page's query (its token among them) is in the form only once the settings are read
   clearProblem();
   if (!window.isSecureContext) {
     throw new Error("the browser gives a page its microphone only over https or on localhost: open it on the " +
@@ -351,4 +354,3 @@ $("done").onclick = () => {  // the user says they are done: a turn ends now, no
 };
 window.s2sStart = () => start();
 window.s2sStop = () => stop();
-loadSettings();
