@@ -12,6 +12,7 @@ from codec.tokenizer import SAMPLE_RATE
 from s2s import Engine, SamplingParams
 from server import protocol
 from server.connection import Audio, Connection, EndTurn, Opener, Stream
+from server.ogg_opus import OggOpusWriter
 from server.protocol import BLOCK, Control, Kind, ProtocolError, StreamError
 from server.session import EngineSession
 from server.turn_metrics import TurnMetrics
@@ -36,7 +37,7 @@ class MoshiWire:
         self.opus_in = sphn.OpusStreamReader(SAMPLE_RATE) if codec == "opus" else None
         self.opus_pending = 0  # bytes fed to `opus_in` since it last gave audio: what it may be holding
         self.undecoded = 0  # bytes since the last audio, resets included
-        self.opus_out = sphn.OpusStreamWriter(SAMPLE_RATE) if codec == "opus" else None
+        self.opus_out = OggOpusWriter(SAMPLE_RATE) if codec == "opus" else None
 
     def handshake(self) -> bytes:
         return protocol.handshake()

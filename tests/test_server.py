@@ -304,7 +304,7 @@ def test_vad_ends_the_turn_and_speaking_over_the_reply_interrupts_it(parts) -> N
 
             counter = asyncio.create_task(count())
             await send_real_time(ws, question)
-            for _ in range(100):
+            for _ in range(600):  # a loaded machine may take a while; the reply, not its timing, is the point
                 if received >= 5:
                     break
                 await asyncio.sleep(0.05)
