@@ -1,12 +1,15 @@
 """Launches benchmark: torch ops per engine tick, by phase, in eager mode.
 
-    s2s bench launches [--quick] [--json PATH] [--plot PATH]
+    s2s bench launches [--quick] [--conversations 1,4,16,64,256] [--json PATH] [--plot PATH]
 
 The models served here are small, so on a GPU a tick's time is mostly the CPU issuing kernels, about one per torch
-op. This counts the ops (every aten call, through a TorchDispatchMode) of ticks of 1 and 4 silent duplex
-conversations, 4 frames a tick, on the CPU with the eager paths: the model's forward, sampling, the codec's encoder
-and decoder, and within them EnCodec's LSTM as the CPU steps it (a GPU runs cuDNN's fused LSTM instead, and decode
-rounds on CUDA graphs, neither of which runs here). Counts do not depend on the machine; no time is measured.
+op. This counts the ops (every aten call but views, which launch nothing, through a TorchDispatchMode) of ticks of N
+silent duplex conversations, 4 frames a tick, on the CPU with the eager paths: the model's forward, sampling, the
+codec's encoder and decoder, and within them EnCodec's LSTM as the CPU steps it (a GPU runs cuDNN's fused LSTM
+instead, and decode rounds on CUDA graphs, neither of which runs here). Each row's sampling noise comes from its own
+CPU generator on any device (`s2s/sampling.py`): host work, copied over in one copy, so not counted. Batched work costs
+the same ops at any N: what grows with N is a loop over conversations issuing ops. Counts do not depend on the
+machine; no time is measured.
 """
 
 from __future__ import annotations
@@ -43,7 +46,10 @@ class _Count(TorchDispatchMode):
         self.stack, self.counts = stack, counts
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[self.stack[-1]] += 1
+        generator = (kwargs or {}).get("generator")
+        on_host = generator is not None and generator.device.type == "cpu"  # a row's sampling noise: host work
+        if not (func.is_view or on_host):  # a view (a select, a slice, a detach) launches no kernel either
+            self.counts[self.stack[-1]] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -62,7 +68,13 @@ def count(preset: str, conversations: int, ticks: int) -> dict:
     """Mean ops per tick by phase, over `ticks` ticks after the codec's streams have warmed up."""
     tok = EncodecTokenizer.from_pretrained()
     model = S2SModel.from_seed(ModelConfig.preset(preset, num_codebooks=tok.num_codebooks), seed=0)
-    engine = Engine(model, tok, EngineConfig(calibration_ticks=0, frames_per_tick=FRAMES_PER_TICK))
+    cfg = EngineConfig(
+        calibration_ticks=0,
+        frames_per_tick=FRAMES_PER_TICK,
+        max_conversations=conversations,
+        num_pages=conversations * ((8 + ticks) * FRAMES_PER_TICK // 16 + 4),  # each one's frames, and room
+    )
+    engine = Engine(model, tok, cfg)
     stack, counts = ["other"], collections.Counter()
     for (part, method), label in PHASES.items():
         component = getattr(engine, part)
@@ -111,9 +123,12 @@ def plot(rows: list[dict], path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser("launches", __doc__.splitlines()[0]).parse_args(argv)
+    p = parser("launches", __doc__.splitlines()[0])
+    p.add_argument("--conversations", default="1,4,16,64,256", help="the levels of N")
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
-    grid = [("small", 1)] if args.quick else [(p, n) for p in ("tiny", "small") for n in (1, 4)]
+    levels = [1, 16] if args.quick else [int(n) for n in args.conversations.split(",")]
+    grid = [("small", n) for n in levels] if args.quick else [(p, n) for p in ("tiny", "small") for n in levels]
     rows = [{**count(p, n, ticks=2 if args.quick else 4), **environment()} for p, n in grid]
     tables = print_table(
         "Torch ops per tick by phase (eager; one op is about one kernel launch on a GPU)",

@@ -28,6 +28,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from codec.stream_layers import State
@@ -89,8 +90,8 @@ class StreamingEncoder:
     """PCM in, codes out, for `batch_size` independent rows (conversations) in one batched call.
 
     `push(pcm, rows)` takes, for each listed row, any number of new samples and returns, for each, the codes of the
-    frames that became complete: a LongTensor [K, f] (f may be 0). Codes equal `EncodecTokenizer.encode()` of the
-    whole signal, but for floating-point ties in the quantizer. A row's first codes come out once `warmup_frames`
+    frames that became complete: a LongTensor [K, f] on the host (f may be 0). Codes equal `EncodecTokenizer.encode()`
+    of the whole signal, but for floating-point ties in the quantizer. A row's first codes come out once `warmup_frames`
     frames are in (the reflection padding at the start of the signal looks that far ahead); after that each frame's
     codes come out as its 320th sample arrives. `batch_invariant`: see the module docstring.
     """
@@ -102,7 +103,7 @@ class StreamingEncoder:
         self.batch_size = batch_size
         self.batch_invariant = batch_invariant
         self.warmup_frames = tokenizer.encoder_warmup_frames
-        self._pending = [torch.zeros(0, device=tokenizer.device) for _ in range(batch_size)]
+        self._pending = [np.zeros(0, np.float32) for _ in range(batch_size)]  # on the host: a row's work is Python
         self._started = [False] * batch_size
         self._states = _RowStates(batch_size)
 
@@ -122,29 +123,32 @@ class StreamingEncoder:
         fs = self.tok.frame_size
         out = []
         for r, chunk in zip(rows, chunks, strict=True):  # pieces that each complete at most one frame
-            cuts = range(-self._pending[r].numel() % fs or fs, chunk.numel(), fs)
-            out.append(torch.cat([self._push([p], [r])[0] for p in torch.tensor_split(chunk, list(cuts))], -1))
+            cuts = range(-len(self._pending[r]) % fs or fs, len(chunk), fs)
+            out.append(torch.cat([self._push([p], [r])[0] for p in np.split(chunk, list(cuts))], -1))
         return out
 
-    def _push(self, chunks: list[torch.Tensor], rows: list[int]) -> list[torch.Tensor]:
+    def _push(self, chunks: list[np.ndarray], rows: list[int]) -> list[torch.Tensor]:
+        """Each group of rows at the same point goes to the device in one copy and its codes come back in one: the
+        device work of a push does not grow with its rows."""
         fs = self.tok.frame_size
         groups: dict[tuple[bool, int], list[int]] = defaultdict(list)
         for r, chunk in zip(rows, chunks, strict=True):
-            self._pending[r] = torch.cat([self._pending[r], chunk])
-            ready = self._pending[r].numel() // fs
+            self._pending[r] = np.concatenate([self._pending[r], chunk])
+            ready = len(self._pending[r]) // fs
             if ready and (self._started[r] or ready >= self.warmup_frames):
                 groups[(self._started[r], ready)].append(r)
 
-        out = {r: torch.zeros(self.tok.num_codebooks, 0, dtype=torch.long, device=self.tok.device) for r in rows}
+        none = torch.zeros(self.tok.num_codebooks, 0, dtype=torch.long)
+        out = dict.fromkeys(rows, none)
         for (started, ready), group in groups.items():
             n = ready * fs
-            x = torch.stack([self._pending[r][:n] for r in group])[:, None, :]
+            x = torch.from_numpy(np.stack([self._pending[r][:n] for r in group])[:, None, :]).to(self.tok.device)
             state = self._states.get(group, x.device) if started else None
             latent, new_state = self.tok.encoder_net(x, state)
             self._states.put(group, new_state, x.device)
-            codes = self.tok.quantize(latent)
+            codes = self.tok.quantize(latent).cpu().numpy()
             for i, r in enumerate(group):
-                out[r] = codes[i]
+                out[r] = torch.from_numpy(codes[i])
                 self._pending[r] = self._pending[r][n:]
                 self._started[r] = True
         return [out[r] for r in rows]
@@ -215,6 +219,6 @@ class StreamingDecoder:
 
         for r in rows:
             self._frames[r] += n
-            if self._frames[r] >= self.warmup_frames:
-                self._history[r] = self._no_codes()
+            if self._frames[r] >= self.warmup_frames and self._history[r].shape[-1]:
+                self._history[r] = self._no_codes()  # once, when the row leaves its warm-up
         return out

@@ -134,22 +134,26 @@ class EncodecTokenizer:
 
     # ---- input checks -------------------------------------------------------------------------------------------
 
-    def _as_float_tensor(self, wav: torch.Tensor | np.ndarray, what: str) -> torch.Tensor:
+    @staticmethod
+    def _host_pcm(wav: torch.Tensor | np.ndarray, what: str) -> np.ndarray:
+        """Float PCM as a host float32 array (its samples are checked by `_check_samples`)."""
         if isinstance(wav, np.ndarray):
             if wav.dtype not in (np.float32, np.float64):
                 raise ValueError(f"{what} must be float32 PCM in [-1, 1], got numpy dtype {wav.dtype}")
-            wav = torch.from_numpy(np.ascontiguousarray(wav, dtype=np.float32))
         elif isinstance(wav, torch.Tensor):
             if wav.dtype not in (torch.float32, torch.float64):
                 raise ValueError(f"{what} must be float32 PCM in [-1, 1], got torch dtype {wav.dtype}")
-            wav = wav.float()
+            wav = wav.detach().cpu().numpy()
         else:
             raise ValueError(f"{what} must be a numpy array or torch tensor, got {type(wav).__name__}")
-        if wav.numel() and not torch.isfinite(wav).all():
+        return np.ascontiguousarray(wav, dtype=np.float32)
+
+    @staticmethod
+    def _check_samples(wav: np.ndarray, what: str) -> None:
+        if wav.size and not np.isfinite(wav).all():
             raise ValueError(f"{what} holds NaN or inf")
-        if wav.numel() and wav.abs().max() > 1.0:
-            raise ValueError(f"{what} has samples outside [-1, 1] (peak {wav.abs().max():.3g}): normalise it first")
-        return wav.to(self.device)
+        if wav.size and np.abs(wav).max() > 1.0:
+            raise ValueError(f"{what} has samples outside [-1, 1] (peak {np.abs(wav).max():.3g}): normalise it first")
 
     def _check_rate(self, sample_rate: int | None) -> None:
         if sample_rate is not None and sample_rate != self.sample_rate:
@@ -161,7 +165,9 @@ class EncodecTokenizer:
     def check_pcm(self, wav: torch.Tensor | np.ndarray, sample_rate: int | None = None) -> torch.Tensor:
         """Validate offline input `[T]` or `[B, T]`; return float32 `[B, T]` on the codec's device."""
         self._check_rate(sample_rate)
-        wav = self._as_float_tensor(wav, "wav")
+        wav = self._host_pcm(wav, "wav")
+        self._check_samples(wav, "wav")
+        wav = torch.from_numpy(wav).to(self.device)
         if wav.dim() not in (1, 2):
             raise ValueError(f"wav must have shape [T] or [B, T], got {tuple(wav.shape)}")
         wav = wav if wav.dim() == 2 else wav[None]
@@ -169,18 +175,22 @@ class EncodecTokenizer:
             raise ValueError(f"wav is empty: shape {tuple(wav.shape)}")
         return wav
 
-    def check_pcm_rows(self, pcm: torch.Tensor | np.ndarray | Sequence, sample_rate: int | None = None) -> list:
-        """Validate streaming input: `[R, S]` or a sequence of R 1-D chunks (lengths may differ, even be 0)."""
+    def check_pcm_rows(
+        self, pcm: torch.Tensor | np.ndarray | Sequence, sample_rate: int | None = None
+    ) -> list[np.ndarray]:
+        """Validate streaming input: `[R, S]` or a sequence of R 1-D chunks (lengths may differ, even be 0). The
+        chunks stay on the host, checked in one pass over all of them: no device work per row."""
         self._check_rate(sample_rate)
         if isinstance(pcm, torch.Tensor | np.ndarray):
             if pcm.ndim != 2:
                 raise ValueError(f"pcm must have shape [rows, samples] or be a list of 1-D chunks, got {pcm.shape}")
             pcm = list(pcm)
-        chunks = [self._as_float_tensor(c, "pcm chunk") for c in pcm]
+        chunks = [self._host_pcm(c, "pcm chunk") for c in pcm]
         if not chunks:
             raise ValueError("pcm holds no rows")
-        if any(c.dim() != 1 for c in chunks):
+        if any(c.ndim != 1 for c in chunks):
             raise ValueError("each pcm chunk must be 1-D")
+        self._check_samples(np.concatenate(chunks), "pcm chunk")
         return chunks
 
     def check_codes(self, codes: torch.Tensor | np.ndarray) -> torch.Tensor:

@@ -64,7 +64,7 @@ class AudioIO:
                 chunks.append(np.concatenate(taken))
                 owners.append(s)
         if rows:
-            encoded = zip(owners, (c.cpu().numpy() for c in self.encoder.push(chunks, rows)), strict=True)
+            encoded = zip(owners, (c.numpy() for c in self.encoder.push(chunks, rows)), strict=True)
             heard += [(s, codes) for s, codes in encoded if codes.shape[-1]]
         now = self.clock()
         for s, codes in heard:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import EncodecConfig, EncodecModel
 
 from codec import BANDWIDTHS, EncodecTokenizer, stream_layers
@@ -264,6 +265,36 @@ def test_streaming_encoder_rows_with_ragged_chunks(tok: EncodecTokenizer) -> Non
     assert_codes_equal_up_to_ties(tok, x, torch.stack([torch.cat(g, -1) for g in got]), want)
     enc.reset(1)
     assert_codes_equal_up_to_ties(tok, x[1:2], enc.push(x[1:2, :], rows=[1])[0], want[1:2])
+
+
+class _DeviceOps(TorchDispatchMode):
+    """Counts aten calls that would launch device work: views launch none."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += not func.is_view
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_push_s_device_work_does_not_grow_with_its_rows(tok: EncodecTokenizer) -> None:
+    """The engine pushes every conversation's audio in one call a tick: a loop of ops over rows is a loop of kernel
+    launches on a GPU (`s2s bench launches`)."""
+
+    def ops(rows: int) -> tuple[int, int]:
+        enc, dec = tok.streaming_encoder(rows), tok.streaming_decoder(rows)
+        x = noise(12, rows=rows, seed=rows)
+        codes = torch.stack(enc.push(x[:, : 8 * FS]))  # past the warm-ups: the steady state is what is counted
+        dec.push(codes)
+        with _DeviceOps() as encoding:
+            enc.push(x[:, 8 * FS :])
+        with _DeviceOps() as decoding:
+            dec.push(codes[..., :4])
+        return encoding.count, decoding.count
+
+    assert ops(1) == ops(8)
 
 
 # ---- real speech -------------------------------------------------------------------------------------------------
