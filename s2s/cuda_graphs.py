@@ -1,6 +1,6 @@
 """DecodeGraphs: the decode step (one new step for each of B conversations) replayed from CUDA graphs.
 
-The models served here are small, and a duplex tick runs several decode rounds, so on a GPU a round is ~325 kernel
+The models served here are small, and a duplex tick runs several decode rounds, so on a GPU a round is ~210 kernel
 launches (`small`, counted by `s2s bench launches`) of microseconds each: the CPU issuing them, not the GPU, sets
 the tick time (measured on an H200: one conversation's tick took 60 % of its frame budget in eager mode). As in
 vLLM, each batch size of a bucket list is captured once into a graph over static input buffers; a round copies its
