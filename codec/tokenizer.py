@@ -146,7 +146,7 @@ class EncodecTokenizer:
             wav = wav.detach().cpu().numpy()
         else:
             raise ValueError(f"{what} must be a numpy array or torch tensor, got {type(wav).__name__}")
-        return np.ascontiguousarray(wav, dtype=np.float32)
+        return np.asarray(wav, dtype=np.float32, order="C")  # (ascontiguousarray would make a 0-d array 1-d)
 
     @staticmethod
     def _check_samples(wav: np.ndarray, what: str) -> None:
@@ -181,6 +181,8 @@ class EncodecTokenizer:
         """Validate streaming input: `[R, S]` or a sequence of R 1-D chunks (lengths may differ, even be 0). The
         chunks stay on the host, checked in one pass over all of them: no device work per row."""
         self._check_rate(sample_rate)
+        if isinstance(pcm, torch.Tensor):
+            pcm = pcm.detach().cpu()  # one copy to the host, not one a row
         if isinstance(pcm, torch.Tensor | np.ndarray):
             if pcm.ndim != 2:
                 raise ValueError(f"pcm must have shape [rows, samples] or be a list of 1-D chunks, got {pcm.shape}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import struct
 import zlib
 
@@ -28,7 +29,9 @@ VENDOR = b"s2s libopus"
 SERIAL = 0x5325  # one logical stream per connection, so any serial number will do
 
 
-def _load_libopus() -> ctypes.CDLL:
+@functools.cache
+def _libopus() -> ctypes.CDLL:
+    """Loaded on the first writer, so that a server speaking only PCM16 needs no libopus."""
     path = ctypes.util.find_library("opus") or "libopus.so.0"
     try:
         lib = ctypes.CDLL(path)
@@ -37,13 +40,13 @@ def _load_libopus() -> ctypes.CDLL:
     lib.opus_encoder_create.restype = ctypes.c_void_p
     lib.opus_encoder_create.argtypes = [ctypes.c_int32, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
     lib.opus_encoder_destroy.argtypes = [ctypes.c_void_p]
+    lib.opus_encoder_ctl.restype = ctypes.c_int
+    lib.opus_encoder_ctl.argtypes = [ctypes.c_void_p, ctypes.c_int]  # and one variadic argument
     lib.opus_encode_float.restype = ctypes.c_int32
     lib.opus_encode_float.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_int32]
     lib.opus_strerror.restype = ctypes.c_char_p
     return lib
 
-
-_lib = _load_libopus()
 
 # Ogg's CRC is CRC-32 (polynomial 0x04c11db7) unreflected, with no initial or final xor. zlib's crc32 is the same
 # polynomial reflected, so Ogg's is zlib's over bit-reversed bytes, bit-reversed, with zlib's xors undone.
@@ -72,10 +75,11 @@ class OggOpusWriter:
     """Mono float PCM at `sample_rate` in, Ogg/Opus bytes out: what `sphn.OpusStreamWriter.append_pcm` gives."""
 
     def __init__(self, sample_rate: int):
+        self._lib = _libopus()
         error = ctypes.c_int()
-        self._encoder = _lib.opus_encoder_create(sample_rate, 1, OPUS_APPLICATION_RESTRICTED_LOWDELAY, error)
+        self._encoder = self._lib.opus_encoder_create(sample_rate, 1, OPUS_APPLICATION_RESTRICTED_LOWDELAY, error)
         if error.value != 0 or not self._encoder:
-            raise ValueError(f"libopus refuses {sample_rate} Hz: {_lib.opus_strerror(error.value).decode()}")
+            raise ValueError(f"libopus refuses {sample_rate} Hz: {self._lib.opus_strerror(error.value).decode()}")
         self._ctl(OPUS_SET_BITRATE, ctypes.c_int32(BITRATE))
         self._ctl(OPUS_SET_COMPLEXITY, ctypes.c_int32(COMPLEXITY))
         lookahead = ctypes.c_int32()
@@ -91,20 +95,29 @@ class OggOpusWriter:
         self._headers += self._page([b"OpusTags" + struct.pack("<I", len(VENDOR)) + VENDOR + struct.pack("<I", 0)])
 
     def append_pcm(self, pcm: np.ndarray) -> bytes:
-        """Encodes every whole 20 ms frame buffered; the header pages come before the first call's page."""
+        """Encodes every whole 20 ms frame buffered, in pages of at most 255 lacing values; the header pages come
+        before the first call's pages."""
         pcm = np.concatenate([self._pending, np.asarray(pcm, np.float32).reshape(-1)])
         whole = len(pcm) - len(pcm) % self.frame
         self._pending = pcm[whole:]
         frames = np.ascontiguousarray(pcm[:whole])
-        packets = [self._encode(frames[a : a + self.frame]) for a in range(0, whole, self.frame)]
-        self._granule += whole * self._to_48k
         out, self._headers = self._headers, b""
-        return out + self._page(packets) if packets else out
+        page: list[bytes] = []
+        lacing = 0  # the page's lacing values so far
+        for a in range(0, whole, self.frame):
+            packet = self._encode(frames[a : a + self.frame])
+            if lacing + len(packet) // 255 + 1 > 255:
+                out += self._page(page)
+                page, lacing = [], 0
+            page.append(packet)
+            lacing += len(packet) // 255 + 1
+            self._granule += self.frame * self._to_48k
+        return out + self._page(page) if page else out
 
     def _encode(self, frame: np.ndarray) -> bytes:
-        n = _lib.opus_encode_float(self._encoder, frame.ctypes.data, self.frame, self._out, MAX_PACKET)
+        n = self._lib.opus_encode_float(self._encoder, frame.ctypes.data, self.frame, self._out, MAX_PACKET)
         if n < 0:
-            raise RuntimeError(f"libopus could not encode: {_lib.opus_strerror(n).decode()}")
+            raise RuntimeError(f"libopus could not encode: {self._lib.opus_strerror(n).decode()}")
         return self._out.raw[:n]
 
     def _page(self, packets: list[bytes], flags: int = 0) -> bytes:
@@ -113,10 +126,10 @@ class OggOpusWriter:
         return page
 
     def _ctl(self, request: int, value: ctypes.c_int32 | ctypes._CArgObject) -> None:
-        status = _lib.opus_encoder_ctl(ctypes.c_void_p(self._encoder), request, value)
+        status = self._lib.opus_encoder_ctl(self._encoder, request, value)
         if status != 0:
-            raise RuntimeError(f"libopus refused request {request}: {_lib.opus_strerror(status).decode()}")
+            raise RuntimeError(f"libopus refused request {request}: {self._lib.opus_strerror(status).decode()}")
 
     def __del__(self) -> None:
         if getattr(self, "_encoder", None):
-            _lib.opus_encoder_destroy(self._encoder)
+            self._lib.opus_encoder_destroy(self._encoder)

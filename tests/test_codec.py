@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -283,18 +284,33 @@ def test_a_push_s_device_work_does_not_grow_with_its_rows(tok: EncodecTokenizer)
     """The engine pushes every conversation's audio in one call a tick: a loop of ops over rows is a loop of kernel
     launches on a GPU (`s2s bench launches`)."""
 
-    def ops(rows: int) -> tuple[int, int]:
+    def ops(rows: int) -> tuple[int, int, int]:
         enc, dec = tok.streaming_encoder(rows), tok.streaming_decoder(rows)
-        x = noise(12, rows=rows, seed=rows)
+        x = noise(12, rows=rows, seed=rows).numpy()  # host PCM, as the engine pushes it
         codes = torch.stack(enc.push(x[:, : 8 * FS]))  # past the warm-ups: the steady state is what is counted
         dec.push(codes)
-        with _DeviceOps() as encoding:
+        copies = []  # a copy to or from the device dispatches no op on the CPU: count the calls that make one
+
+        def counted(method):
+            def call(self, *args, **kwargs):
+                copies.append(method.__name__)
+                return method(self, *args, **kwargs)
+
+            return call
+
+        with (
+            mock.patch.object(torch.Tensor, "to", counted(torch.Tensor.to)),
+            mock.patch.object(torch.Tensor, "cpu", counted(torch.Tensor.cpu)),
+            _DeviceOps() as encoding,
+        ):
             enc.push(x[:, 8 * FS :])
         with _DeviceOps() as decoding:
             dec.push(codes[..., :4])
-        return encoding.count, decoding.count
+        return encoding.count, decoding.count, sorted(copies)
 
-    assert ops(1) == ops(8)
+    one, eight = ops(1), ops(8)
+    assert one[2] == ["cpu", "to"]  # the PCM over, the codes back
+    assert one == eight
 
 
 # ---- real speech -------------------------------------------------------------------------------------------------

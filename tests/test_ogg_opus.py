@@ -62,7 +62,10 @@ def test_pages_follow_rfc_7845() -> None:
     writer = OggOpusWriter(SAMPLE_RATE)
     stream = writer.append_pcm(np.zeros(1000, np.float32)) + writer.append_pcm(np.zeros(2000, np.float32))
     head, tags, *audio = pages(stream)
-    assert head["body"].startswith(b"OpusHead") and head["flags"] == 2 and head["granule"] == 0
+    assert head["flags"] == 2 and head["granule"] == 0
+    magic, version, channels, pre_skip, rate, gain, family = struct.unpack("<8sBBHIhB", head["body"])
+    assert (magic, version, channels, rate, gain, family) == (b"OpusHead", 1, 1, SAMPLE_RATE, 0, 0)
+    assert pre_skip == 120  # CELT-only's 2.5 ms lookahead, in 48 kHz samples
     assert tags["body"].startswith(b"OpusTags") and tags["flags"] == 0
     assert [p["sequence"] for p in (head, tags, *audio)] == [0, 1, 2, 3]
     assert [p["granule"] for p in audio] == [2 * 960, 2 * 2880]  # 48 kHz samples in all whole 20 ms frames so far
@@ -70,6 +73,20 @@ def test_pages_follow_rfc_7845() -> None:
     assert writer.append_pcm(np.zeros(100, np.float32)) == b""  # still short of a frame: nothing to send
 
 
-def test_a_page_holds_at_most_255_lacing_values() -> None:
+def test_lacing() -> None:
+    """A packet of a multiple of 255 bytes ends with a 0 lacing value; a page holds at most 255 of them."""
+    page = ogg_page([bytes(255), b"x"], serial=1, sequence=0, granule=0)
+    assert page[26] == 3 and page[27:30] == bytes([255, 0, 1])
     with pytest.raises(ValueError, match="255"):
         ogg_page([bytes(255 * 255)], serial=1, sequence=0, granule=0)
+
+
+def test_a_long_call_spreads_its_packets_over_pages() -> None:
+    """10 s in one call is 500 packets: more than a page's 255 lacing values."""
+    x = speech_like(10.0)
+    stream = OggOpusWriter(SAMPLE_RATE).append_pcm(x)
+    audio = pages(stream)[2:]
+    assert len(audio) >= 2 and audio[-1]["granule"] == 2 * len(x)
+    assert all(p["crc"] == p["own_crc"] for p in audio)
+    whole, _ = sphn.read_opus_bytes(stream)
+    assert abs(whole.shape[-1] - 2 * len(x)) <= 2 * 480

@@ -25,7 +25,7 @@ async function loadSettings() {
     if (radio) radio.checked = true;
   }
   try {
-    const settings = await (await fetch("/api/voices")).json();
+    const settings = await (await fetch("/api/voices", { signal: AbortSignal.timeout(10000) })).json();
     for (const name of settings.voices) $("voice").append(new Option(name, name));
     for (const [key, value] of Object.entries(settings.sampling)) $(key).placeholder = `default ${value}`;
     $("top_k").max = settings.max_top_k;
@@ -36,7 +36,9 @@ async function loadSettings() {
   for (const key of ["voice", "temperature", "top_k", "top_p", "seed", "token"]) if (page.has(key)) $(key).value = page.get(key);
 }
 
-const settingsRead = loadSettings();
+// Start waits for this (and is off until it settles): the page's query, its token among it, is in the form only then.
+const settingsRead = loadSettings().catch((e) => problem(`Could not read the page's settings: ${e}`))
+  .finally(() => { $("start").disabled = false; });
 
 function query() {
   const form = new FormData($("settings"));
@@ -48,7 +50,7 @@ function query() {
 // ---- the conversation -------------------------------------------------------------------------------------------
 
 async function start() {
-  await settingsRead;  // the page's query (its token among them) is in the form only once the settings are read
+  await settingsRead;
   clearProblem();
   if (!window.isSecureContext) {
     throw new Error("the browser gives a page its microphone only over https or on localhost: open it on the " +
