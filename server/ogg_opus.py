@@ -118,7 +118,7 @@ class OggOpusWriter:
         n = self._lib.opus_encode_float(self._encoder, frame.ctypes.data, self.frame, self._out, MAX_PACKET)
         if n < 0:
             raise RuntimeError(f"libopus could not encode: {self._lib.opus_strerror(n).decode()}")
-        return self._out.raw[:n]
+        return self._out[:n]  # (`.raw` would copy the whole buffer first)
 
     def _page(self, packets: list[bytes], flags: int = 0) -> bytes:
         page = ogg_page(packets, serial=SERIAL, sequence=self._sequence, granule=self._granule, flags=flags)
