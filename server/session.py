@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import queue
-from collections.abc import AsyncIterator, Callable
+import threading
+import weakref
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -25,24 +28,53 @@ SLOW = "not reading fast enough: closed"
 _dropping: set[asyncio.Task] = set()  # `Connection.drop`s under way (the loop keeps only weak references to tasks)
 
 
+class LoopWaker:
+    """Sets asyncio events of one loop from other threads, one `call_soon_threadsafe` for a burst of sets: the
+    engine thread fans a tick's events out to every conversation at once, and each wake-up through the loop's self
+    pipe is a write, a read and a loop iteration."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self._lock = loop, threading.Lock()
+        self._due: set[asyncio.Event] = set()
+
+    def set(self, ready: asyncio.Event) -> None:
+        """From any thread: `ready.set()` on the loop, soon."""
+        with self._lock:
+            scheduled = bool(self._due)
+            self._due.add(ready)
+        if not scheduled:
+            with contextlib.suppress(RuntimeError):  # the loop is closing: nobody is waiting any more
+                self.loop.call_soon_threadsafe(self._run)
+
+    def _run(self) -> None:
+        with self._lock:
+            due, self._due = self._due, set()
+        for ready in due:
+            ready.set()
+
+
+_wakers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopWaker] = weakref.WeakKeyDictionary()
+
+
 async def events(q: EventQueue, conn: Connection) -> AsyncIterator[AudioEvent | CodesEvent | MetaEvent]:
     """A conversation's events until it is closed, read for `conn`'s client. The engine thread wakes the reader
-    through `on_put`: no polling, and no thread per read. One reader at a time.
+    through `on_put` (`LoopWaker`): no polling, and no thread per read. One reader at a time.
 
     When the queue overflows (the client reads slower than the conversation speaks), the client is told and closed
     at once, even while the reader waits on a send to it; the connection's end then closes the conversation."""
     loop, ready = asyncio.get_running_loop(), asyncio.Event()
-
-    def soon(fn: Callable[[], object]) -> None:  # from the engine thread
-        with contextlib.suppress(RuntimeError):  # the loop is closing: nobody is waiting any more
-            loop.call_soon_threadsafe(fn)
+    waker = _wakers.setdefault(loop, LoopWaker(loop))
 
     def drop() -> None:
         task = asyncio.create_task(conn.drop(SLOW, "slow_reader"))
         _dropping.add(task)
         task.add_done_callback(_dropping.discard)
 
-    q.on_put, q.on_overflow = lambda: soon(ready.set), lambda: soon(drop)
+    def overflowed() -> None:  # from the engine thread
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(drop)
+
+    q.on_put, q.on_overflow = functools.partial(waker.set, ready), overflowed
     while True:
         try:
             event = q.get_nowait()

@@ -175,3 +175,41 @@ def test_events_wake_the_reader_from_the_engine_thread_without_a_thread_per_read
         return [event async for event in events(q, conn=None)]  # no overflow here: no client to close
 
     assert asyncio.run(main()) == sent
+
+
+def test_a_tick_s_events_for_many_readers_wake_the_loop_once_not_once_each() -> None:
+    """The engine thread fans a tick's events out to every conversation: each reader gets its own, in order, and
+    the loop is woken through its self pipe once for the burst, not once per event (at hundreds of conversations,
+    one write, read and loop iteration each)."""
+    queues = [EventQueue() for _ in range(64)]
+    wakes = 0
+
+    def tick(t: int) -> None:
+        for i, q in enumerate(queues):
+            q.put(MetaEvent(f"s{i}", 0, {"tick": t}))
+
+    async def main() -> list[list]:
+        nonlocal wakes
+        loop = asyncio.get_running_loop()
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counted(*args):
+            nonlocal wakes
+            wakes += 1
+            return call_soon_threadsafe(*args)
+
+        loop.call_soon_threadsafe = counted
+        readers = [asyncio.create_task(collect(q)) for q in queues]
+        await asyncio.sleep(0)  # every reader waits on an empty queue
+        for t in range(3):
+            await asyncio.to_thread(tick, t)  # the loop runs nothing while the burst is put
+            await asyncio.sleep(0.05)
+        for q in queues:
+            q.put(None)
+        return await asyncio.wait_for(asyncio.gather(*readers), 10)
+
+    async def collect(q: EventQueue) -> list:
+        return [event.data["tick"] async for event in events(q, conn=None)]
+
+    assert asyncio.run(main()) == [[0, 1, 2]] * len(queues)
+    assert wakes <= 3 + len(queues)  # one per tick, and at most one each for the closing puts
