@@ -34,7 +34,8 @@ class LoopWaker:
     pipe is a write, a read and a loop iteration."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self._lock = loop, threading.Lock()
+        self._loop = weakref.ref(loop)  # (`_wakers` holds its key weakly only if its value does too)
+        self._lock = threading.Lock()
         self._due: set[asyncio.Event] = set()
 
     def set(self, ready: asyncio.Event) -> None:
@@ -42,9 +43,9 @@ class LoopWaker:
         with self._lock:
             scheduled = bool(self._due)
             self._due.add(ready)
-        if not scheduled:
+        if not scheduled and (loop := self._loop()) is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closing: nobody is waiting any more
-                self.loop.call_soon_threadsafe(self._run)
+                loop.call_soon_threadsafe(self._run)
 
     def _run(self) -> None:
         with self._lock:

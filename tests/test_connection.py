@@ -213,3 +213,23 @@ def test_a_tick_s_events_for_many_readers_wake_the_loop_once_not_once_each() -> 
 
     assert asyncio.run(main()) == [[0, 1, 2]] * len(queues)
     assert wakes <= 3 + len(queues)  # one per tick, and at most one each for the closing puts
+
+
+def test_a_closed_loop_is_not_kept_alive_by_its_waker() -> None:
+    """Every `asyncio.run` is a loop with its own self pipe: the wakers' registry must not keep a finished one."""
+    import gc
+
+    from server.session import _wakers
+
+    async def read_one() -> list:
+        q = EventQueue()
+        q.put(MetaEvent("s0", 0, {}))
+        q.put(None)
+        return [event async for event in events(q, conn=None)]
+
+    gc.collect()
+    before = len(_wakers)
+    for _ in range(3):
+        assert len(asyncio.run(read_one())) == 1
+    gc.collect()
+    assert len(_wakers) == before
