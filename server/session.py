@@ -36,20 +36,20 @@ class LoopWaker:
     def __init__(self, loop: asyncio.AbstractEventLoop):
         self._loop = weakref.ref(loop)  # (`_wakers` holds its key weakly only if its value does too)
         self._lock = threading.Lock()
-        self._due: set[asyncio.Event] = set()
+        self._due: dict[asyncio.Event, None] = {}  # (in the order set: the readers run in the order of the puts)
 
     def set(self, ready: asyncio.Event) -> None:
         """From any thread: `ready.set()` on the loop, soon."""
         with self._lock:
             scheduled = bool(self._due)
-            self._due.add(ready)
+            self._due[ready] = None
         if not scheduled and (loop := self._loop()) is not None:
             with contextlib.suppress(RuntimeError):  # the loop is closing: nobody is waiting any more
                 loop.call_soon_threadsafe(self._run)
 
     def _run(self) -> None:
         with self._lock:
-            due, self._due = self._due, set()
+            due, self._due = self._due, {}
         for ready in due:
             ready.set()
 
