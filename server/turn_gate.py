@@ -4,7 +4,9 @@ Each connection's false turns are rare, but a server holds hundreds: their repli
 real turn's first audio. So when the engine is saturated (its recent ticks fill `busy_share` of their frame budget,
 or `max_replies` replies are in flight), only confident turns (`VadConfig.confident`) are answered; the others are
 dropped, their audio kept as context, and counted. Both signals come from the engine's `snapshot()` (a tick old),
-plus the turns passed since it. A client's own end-of-turn message is not gated: the user said they were done.
+plus the turns passed since it. A conversation alone in the engine is never gated: its replies delay nobody else's,
+and on a slow machine its own listening fills the ticks. A client's own end-of-turn message is not gated: the user
+said they were done.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ class TurnGate:
             snapshot = self.engine.snapshot()
             if snapshot.stats.ticks != self._ticks:
                 self._ticks, self._since = snapshot.stats.ticks, 0
-            if turn.confidence < self.cfg.confident and self.saturated(snapshot):
+            others = len(snapshot.sessions) > 1  # (the one asking is among them)
+            if turn.confidence < self.cfg.confident and others and self.saturated(snapshot):
                 self.dropped["saturated"] += 1
                 return False
             self.passed += 1

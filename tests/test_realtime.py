@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 from openai import AsyncOpenAI
-from test_server import NEVER_SATURATED, http_get, metric, run_with_server, speech
+from test_server import http_get, metric, run_with_server, speech
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
@@ -20,7 +20,7 @@ from server.client import refusal_of
 from server.protocol import Kind
 
 TOKEN = "secret-token"
-OPTIONS = ServerOptions(port=0, token=TOKEN, vad=NEVER_SATURATED)
+OPTIONS = ServerOptions(port=0, token=TOKEN)
 
 
 def b64(pcm: np.ndarray) -> str:

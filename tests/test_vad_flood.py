@@ -51,10 +51,12 @@ def endpoint(cfg: VadConfig, *parts: np.ndarray) -> tuple[list[str], Endpointer]
     return events, vad
 
 
-def saturated_engine(reply_phases: int, tick_s: float = 0.0) -> SimpleNamespace:
-    """What `TurnGate` reads of an engine: its snapshot (replies in flight, recent tick times) and `cfg.tick_s`."""
+def saturated_engine(reply_phases: int, tick_s: float = 0.0, listening: int = 2) -> SimpleNamespace:
+    """What `TurnGate` reads of an engine: its snapshot (its sessions: replies in flight, and `listening` others;
+    recent tick times) and `cfg.tick_s`."""
     stats = SimpleNamespace(ticks=1, tick_seconds=deque([tick_s] * 16))
-    snapshot = SimpleNamespace(stats=stats, sessions=[{"phase": "reply"}] * reply_phases)
+    sessions = [{"phase": "reply"}] * reply_phases + [{"phase": "listen"}] * listening
+    snapshot = SimpleNamespace(stats=stats, sessions=sessions)
     return SimpleNamespace(snapshot=lambda: snapshot, cfg=SimpleNamespace(tick_s=0.05))
 
 
@@ -90,6 +92,8 @@ def test_the_gate_drops_unsure_turns_only_when_saturated() -> None:
     full = TurnGate(saturated_engine(reply_phases=3, tick_s=0.01), VadConfig(max_replies=3))
     assert not full.admit(unsure) and full.admit(sure)
     assert full.dropped == {"saturated": 1} and full.passed == 1
+    alone = TurnGate(saturated_engine(reply_phases=0, tick_s=0.045, listening=1), VadConfig())
+    assert alone.admit(unsure) and not alone.dropped  # the one conversation: its replies delay nobody else's
     registry = CollectorRegistry()
     registry.register(full)
     text = generate_latest(registry).decode()
