@@ -40,8 +40,7 @@ class TurnGate:
             snapshot = self.engine.snapshot()
             if snapshot.stats.ticks != self._ticks:
                 self._ticks, self._since = snapshot.stats.ticks, 0
-            others = len(snapshot.sessions) > 1  # (the one asking is among them)
-            if turn.confidence < self.cfg.confident and others and self.saturated(snapshot):
+            if turn.confidence < self.cfg.confident and self.saturated(snapshot):
                 self.dropped["saturated"] += 1
                 return False
             self.passed += 1
@@ -49,6 +48,10 @@ class TurnGate:
             return True
 
     def saturated(self, snapshot: EngineSnapshot) -> bool:
+        """Whether another reply would cost other conversations theirs: never with one conversation (the one asking
+        is among the snapshot's)."""
+        if len(snapshot.sessions) <= 1:
+            return False
         replies = self._since + sum(s["phase"] == "reply" for s in snapshot.sessions)
         if self.cfg.max_replies and replies >= self.cfg.max_replies:
             return True

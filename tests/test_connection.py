@@ -202,7 +202,7 @@ def test_a_tick_s_events_for_many_readers_wake_the_loop_once_not_once_each() -> 
         readers = [asyncio.create_task(collect(q)) for q in queues]
         await asyncio.sleep(0)  # every reader waits on an empty queue
         for t in range(3):
-            await asyncio.to_thread(tick, t)  # the loop runs nothing while the burst is put
+            await asyncio.to_thread(tick, t)  # (the loop may run mid-burst only when the GIL changes hands)
             await asyncio.sleep(0.05)
         for q in queues:
             q.put(None)
