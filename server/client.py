@@ -50,7 +50,9 @@ async def talk(
     """Send `speech` in 80 ms blocks at `speed` x real time, then (turn mode, unless `end_turn=False`, which leaves
     it to the server's VAD) an end of turn; collect the reply for `listen_s` seconds after the end of speech, or in
     turn mode until the first `reply_done` after it, whichever comes first: on a slow machine a generous `listen_s`
-    costs nothing.
+    costs nothing. In duplex, where the server answers each frame it hears with one, the listening goes on while the
+    reply still comes (a slow server catching up): until `listen_s` has passed with no audio, for the speech's length
+    more at most.
     `on_audio((arrival time, samples))` is called for each audio message received."""
     query = "&".join(f"{k}={v}" for k, v in {"mode": mode, "codec": codec, **params}.items())
     result = ClientResult(np.zeros(0, dtype=np.float32))
@@ -58,6 +60,7 @@ async def talk(
     opus_in = sphn.OpusStreamReader(SAMPLE_RATE) if codec == "opus" else None
     opus_out = sphn.OpusStreamWriter(SAMPLE_RATE) if codec == "opus" else None
     end_of_speech: float | None = None
+    last_audio = 0.0  # time.monotonic() of the latest reply audio
     reply_done = asyncio.Event()
 
     try:
@@ -74,6 +77,7 @@ async def talk(
                 pass  # the server closed (a refusal or an error says why in result.errors)
 
         async def _read(ws) -> None:
+            nonlocal last_audio
             async for message in ws:
                 kind = message[0]
                 if kind == Kind.HANDSHAKE:
@@ -85,6 +89,7 @@ async def talk(
                         else (np.frombuffer(message[1:], dtype="<i2").astype(np.float32) / 32768)
                     )
                     if len(pcm):
+                        last_audio = time.monotonic()
                         if end_of_speech is not None and result.turn_latency_s is None and mode == "turn":
                             result.turn_latency_s = time.monotonic() - end_of_speech
                         chunks.append(np.asarray(pcm, dtype=np.float32))
@@ -116,7 +121,9 @@ async def talk(
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(reply_done.wait(), listen_s)
             else:
-                await asyncio.sleep(listen_s)
+                cap = end_of_speech + listen_s + len(speech) / SAMPLE_RATE / speed
+                while (wait := min(max(end_of_speech, last_audio) + listen_s, cap) - time.monotonic()) > 0:
+                    await asyncio.sleep(wait)
         except ConnectionClosed:
             pass
         await ws.close()

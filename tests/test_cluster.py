@@ -69,14 +69,16 @@ def cluster(tmp_path_factory):
 
 
 def settled(run_dir: Path) -> None:
-    """Once HAProxy has let go of every closed connection: until then it counts them in the balance factor's load,
-    and a conversation that follows at once can be placed elsewhere (an empty cluster bounds each replica at 1)."""
-    for _ in range(200):
-        answer = list(ask(run_dir / "control.sock", {"command": "status"}))[-1]["result"]
-        if not sum(r["connections"] for r in answer["replicas"]):
+    """Once every replica is UP and holds no conversation, and HAProxy has let go of every closed connection. Until
+    then a conversation that follows at once can be placed off its voice's replica: HAProxy counts closed connections
+    in the balance factor's load (an empty cluster bounds each replica at 1), and a replica that was full a moment ago
+    (closed conversations leave its engine a tick later) is DOWN until its next health check."""
+    for _ in range(400):
+        replicas = list(ask(run_dir / "control.sock", {"command": "status"}))[-1]["result"]["replicas"]
+        if all(r["state"] == "UP" and r.get("conversations") == 0 and not r["connections"] for r in replicas):
             return
         time.sleep(0.05)
-    raise AssertionError(f"connections still open: {answer}")
+    raise AssertionError(f"the cluster did not settle: {replicas}")
 
 
 def status(run_dir: Path) -> dict[str, dict]:
@@ -206,6 +208,7 @@ def test_drain_waits_for_live_conversations_then_stops_the_replica(cluster) -> N
     speech = load_wav(Path(__file__).parents[1] / "server" / "data" / "speech.wav")[: 24000 * 2]
 
     async def body():
+        await asyncio.to_thread(settled, run_dir)  # the last test's full replica has emptied and is UP again
         ws, home = await opened(url, "b")
         await ws.close()
         await asyncio.to_thread(settled, run_dir)

@@ -13,6 +13,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from s2s import Engine, EngineConfig
+from s2s.weights import shipped
 from server import protocol
 from server.app import ChatServer, ServerOptions
 from server.client import refusal_of, talk
@@ -321,10 +322,12 @@ def test_vad_ends_the_turn_and_speaking_over_the_reply_interrupts_it(parts) -> N
 
 
 # Admission counts the fuzzing connection (turn mode) as a stream that may reply, so two of them must fit: it sends
-# garbage, never a turn, so the server may overcommit for it (the calibrated 2-stream tick is 41-60 ms of 53 here).
+# garbage, never a turn, so the server may overcommit for it.
 # The jitter buffer is 250 ms, not the default 133: with the default, a conversation alone on this 2-core machine
 # misses a frame now and then (bench/RESULTS.md, concurrency), which is the machine's jitter, not the fuzzer's.
-SERVE_ARGS = ["--preset", "tiny", "--frames-per-tick", "4", "--kv-pages", "1024", "--threads", "1"]
+# The codec is the shipped one, as the `parts` fixture's (tests/conftest.py) and for the same reason.
+SERVE_ARGS = ["--preset", "tiny", "--codec", str(shipped("codec")), "--frames-per-tick", "4", "--kv-pages", "1024"]
+SERVE_ARGS += ["--threads", "1"]
 SERVE_ARGS += ["--admission-headroom", "2.0", "--jitter-buffer-ms", "250"]
 
 
@@ -408,3 +411,26 @@ def test_voice_prompt_folder(parts, tmp_path) -> None:
         return server.engine.cache.stats().hit_steps
 
     assert run_with_server(parts, body) >= 64  # the second conversation reused the prompt's pages
+
+
+def test_the_client_collects_a_duplex_reply_that_runs_behind_the_speech() -> None:
+    """A duplex server that echoes each message a second late, as a slow machine catching up does: `talk` listens
+    while the reply still comes, past `listen_s` after the end of speech, and gets all of it."""
+    from websockets.asyncio.server import serve
+
+    async def late_echo(ws) -> None:
+        await ws.send(protocol.handshake())
+        async for message in ws:
+            if message[0] == Kind.AUDIO:
+                await asyncio.sleep(1.0 / 6)  # 80 ms of audio each: the echo falls further behind as it goes
+                await ws.send(message)
+
+    async def body() -> tuple[np.ndarray, np.ndarray]:
+        async with serve(late_echo, "127.0.0.1", 0) as server:
+            port = server.sockets[0].getsockname()[1]
+            said = speech(1.0)
+            result = await talk(f"ws://127.0.0.1:{port}", said, mode="duplex", codec="pcm16", listen_s=0.5)
+            return said, result.reply
+
+    said, reply = asyncio.run(body())
+    assert len(reply) == len(said), (len(reply), len(said))
