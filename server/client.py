@@ -51,8 +51,8 @@ async def talk(
     it to the server's VAD) an end of turn; collect the reply for `listen_s` seconds after the end of speech, or in
     turn mode until the first `reply_done` after it, whichever comes first: on a slow machine a generous `listen_s`
     costs nothing. In duplex, where the server answers each frame it hears with one, the listening goes on while the
-    reply still comes (a slow server catching up): until `listen_s` has passed with no audio, for the speech's length
-    more at most.
+    reply still comes (a slow server catching up): until `listen_s` has passed with no audio, for three times the
+    speech's length more at most.
     `on_audio((arrival time, samples))` is called for each audio message received."""
     query = "&".join(f"{k}={v}" for k, v in {"mode": mode, "codec": codec, **params}.items())
     result = ClientResult(np.zeros(0, dtype=np.float32))
@@ -121,7 +121,7 @@ async def talk(
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(reply_done.wait(), listen_s)
             else:
-                cap = end_of_speech + listen_s + len(speech) / SAMPLE_RATE / speed
+                cap = end_of_speech + listen_s + 3 * len(speech) / SAMPLE_RATE / speed
                 while (wait := min(max(end_of_speech, last_audio) + listen_s, cap) - time.monotonic()) > 0:
                     await asyncio.sleep(wait)
         except ConnectionClosed:

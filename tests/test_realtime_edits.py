@@ -336,7 +336,7 @@ def test_a_commit_while_a_response_plays_is_answered_after_it(parts) -> None:
             s = await the_session(server)
             await conn.send({"type": "response.create"})  # to the audio committed meanwhile
             try:
-                done = await until(conn, "response.done", timeout=5)
+                done = await until(conn, "response.done", timeout=30)
             except TimeoutError:
                 done = None
             reply = s.user[s.turns[0].reply_start : s.turns[0].reply_end]
