@@ -21,9 +21,9 @@ def _cpu_kernel_built() -> None:
 
 @pytest.fixture(scope="module")
 def parts():
-    """What the server tests serve: the seeded `tiny` model and the shipped codec. A seeded codec of the published
-    size encodes and decodes one conversation's 4 frames in 54 ms on one thread of a CPU without AVX-512, over their
-    53 ms of audio: nothing served with it there is real time (the shipped codec: 23 ms)."""
+    """What the server tests serve: the seeded `tiny` model and the shipped codec. On one thread of a 2-core CPU
+    without AVX-512, a seeded codec of the published size takes about as long to encode and decode a conversation's
+    frames as they last, so nothing served with it there keeps real time; the shipped codec takes under half that."""
     from codec import EncodecTokenizer
     from s2s import ModelConfig, S2SModel
     from s2s.weights import shipped

@@ -332,8 +332,7 @@ def test_vad_ends_the_turn_and_speaking_over_the_reply_interrupts_it(parts) -> N
 # fuzzer that stalled the healthy conversation would still show.
 # The codec is the shipped one, as the `parts` fixture's (tests/conftest.py) and for the same reason.
 SERVE_ARGS = ["--preset", "tiny", "--codec", str(shipped("codec")), "--frames-per-tick", "4", "--kv-pages", "1024"]
-SERVE_ARGS += ["--threads", "1"]
-SERVE_ARGS += ["--admission-headroom", "2.0", "--jitter-buffer-ms", "1000"]
+SERVE_ARGS += ["--threads", "1", "--admission-headroom", "2.0", "--jitter-buffer-ms", "1000"]
 
 
 def test_fuzzed_messages_beside_a_healthy_duplex_conversation(tmp_path) -> None:
@@ -419,8 +418,9 @@ def test_voice_prompt_folder(parts, tmp_path) -> None:
 
 
 def test_the_client_collects_a_duplex_reply_that_runs_behind_the_speech() -> None:
-    """A duplex server that echoes each message a second late, as a slow machine catching up does: `talk` listens
-    while the reply still comes, past `listen_s` after the end of speech, and gets all of it."""
+    """A duplex server whose echo of each 80 ms message takes 167 ms, so that it falls further behind the speech, as
+    a slow machine's does: `talk` listens while the reply still comes, past `listen_s` after the end of speech, and
+    gets all of it."""
     from websockets.asyncio.server import serve
 
     async def late_echo(ws) -> None:
