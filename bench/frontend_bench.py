@@ -1,14 +1,17 @@
-"""What the server's front end costs per stream: the CPU time of its event loop (websockets, Ogg/Opus both ways,
-the engine calls) per second of duplex conversation, the figure a front-end process is sized by.
+"""What the server's front end costs per stream: the CPU time of the websockets, Ogg/Opus both ways and the engine
+calls per second of duplex conversation, the figure a front-end process is sized by.
 
-    s2s bench frontend [--quick] [--levels 1,2,4] [--seconds 8] [--client-procs 2] [--json PATH] [--plot PATH]
+    s2s bench frontend [--quick] [--levels 1,2,4] [--frontends 0,1] [--seconds 8] [--client-procs 2] [--json PATH]
+        [--plot PATH]
 
-`s2s serve` (the shipped codec and echo model, one torch thread, 4-frame ticks) runs in a child process; for each
-level N, N clients in `--client-procs` processes of their own stream espeak-ng speech in real time as Ogg/Opus in
-duplex (`bench/concurrency_bench.py`'s clients) and read the reply. The server's threads' CPU times are read from
-/proc before and after: its main thread runs the event loop, so its time is the front end's (duplex runs no VAD);
-the rest (the engine thread, torch's workers) is the engine's. Per level: CPU seconds per stream-second of each, and
-the streams one core of front-end time carries (1 / the first).
+`s2s serve` (the shipped codec and echo model, one torch thread, 4-frame ticks) runs in a child process, once with
+each `--frontends` count, side by side; for each level N, N clients in `--client-procs` processes of their own stream
+espeak-ng speech in real time as Ogg/Opus in duplex (`bench/concurrency_bench.py`'s clients) and read the reply. CPU
+times are read from /proc before and after. With front-end processes, theirs (every thread) is the front end's and
+the server process's is the engine's. In one process (`--frontends 0`), its main thread runs the event loop, so that
+thread's time is the front end's (duplex runs no VAD) and the rest (the engine thread, torch's workers) the
+engine's. Per level: CPU seconds per stream-second of each, and the streams one core of front-end time carries (1 /
+the first).
 """
 
 from __future__ import annotations
@@ -37,32 +40,51 @@ def thread_cpu_s(pid: int) -> dict[int, float]:
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[int(task.name)] = _cpu_s(task / "stat")
         except FileNotFoundError:  # the thread ended meanwhile
             continue
-        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / TICKS_PER_S  # utime, stime
     return out
 
 
+def _cpu_s(stat: Path) -> float:
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS_PER_S  # utime, stime
+
+
+def frontend_pids(pid: int) -> list[int]:
+    """The front-end processes `s2s serve --frontends` spawned (not multiprocessing's resource tracker)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def cpu_split(pid: int, frontends: list[int]) -> tuple[float, float]:
+    """CPU seconds so far: the front end's and the engine's."""
+    if frontends:
+        return sum(_cpu_s(Path(f"/proc/{f}/stat")) for f in frontends), _cpu_s(Path(f"/proc/{pid}/stat"))
+    threads = thread_cpu_s(pid)
+    return threads[pid], sum(threads.values()) - threads[pid]
+
+
 async def measure(url: str, pid: int, pcms: list, pool: ProcessPoolExecutor, workers: int) -> dict:
-    """One level: its clients 0.1 s apart, the server's CPU time over it by thread."""
-    before = thread_cpu_s(pid)
+    """One level: its clients 0.1 s apart, the server's CPU time over it, the front end's and the engine's."""
+    frontends = frontend_pids(pid)
+    front_before, engine_before = cpu_split(pid, frontends)
     start = time.monotonic()
     starts = [start + 0.1 * i for i in range(len(pcms))]
     done = await dealt(pool, workers, url, "duplex", pcms, starts, "opus")
     wall = time.monotonic() - start
-    after = thread_cpu_s(pid)
-    spent = {tid: after[tid] - before.get(tid, 0.0) for tid in after}
-    front = spent.get(pid, 0.0)
+    front_after, engine_after = cpu_split(pid, frontends)
+    front, engine = front_after - front_before, engine_after - engine_before
     served = [d for d in done if d["refusal"] is None]
     stream_s = sum(len(p) for p, d in zip(pcms, done, strict=True) if d["refusal"] is None) / SAMPLE_RATE
     return {
+        "frontends": len(frontends),
         "streams": len(pcms),
         "served": len(served),
         "stream_seconds": stream_s,
         "wall_s": wall,
         "frontend_cpu_s_per_stream_s": front / stream_s if stream_s else float("nan"),
-        "engine_cpu_s_per_stream_s": (sum(spent.values()) - front) / stream_s if stream_s else float("nan"),
+        "engine_cpu_s_per_stream_s": engine / stream_s if stream_s else float("nan"),
         "streams_per_frontend_core": stream_s / front if front else float("nan"),
         "reply_audio_s": sum(d["audio_s"] for d in served),
     }
@@ -71,6 +93,7 @@ async def measure(url: str, pid: int, pcms: list, pool: ProcessPoolExecutor, wor
 def main() -> None:
     p = parser("frontend", __doc__.splitlines()[0])
     p.add_argument("--levels", default="1,2,4", help="streams at once")
+    p.add_argument("--frontends", default="0,1", help="front-end process counts, each a server of its own")
     p.add_argument("--seconds", type=float, default=8.0, help="speech per stream")
     p.add_argument("--client-procs", type=int, default=2, help="processes for the clients")
     args = p.parse_args()
@@ -80,24 +103,31 @@ def main() -> None:
     serve_args = ["--threads", "1", "--frames-per-tick", "4", "--max-conversations-per-client", "0"]
     pool = client_pool(args.client_procs)
     rows, env = [], environment()
-    server = ServerProcess(*serve_args)
-    with server as url, pool:
-        for n in levels:
-            row = asyncio.run(measure(url, server.proc.pid, pcm[:n], pool, args.client_procs))
-            rows.append({"bench": "frontend", "codec": "opus", "mode": "duplex", "server_threads": 1, **row, **env})
-            print(rows[-1], flush=True)
-            write_json(args.json, rows)
+    with pool:
+        for frontends in [int(x) for x in args.frontends.split(",")]:
+            server = ServerProcess(*serve_args, "--frontends", str(frontends))
+            with server as url:
+                for n in levels:
+                    row = asyncio.run(measure(url, server.proc.pid, pcm[:n], pool, args.client_procs))
+                    rows.append({"bench": "frontend", "codec": "opus", "mode": "duplex", **row, **env})
+                    print(rows[-1], flush=True)
+                    write_json(args.json, rows)
     columns = [
+        ("frontends", "front-end processes"),
         ("streams", "N"),
         ("served", "served"),
         ("stream_seconds", "stream s"),
         ("frontend_cpu_s_per_stream_s", "front-end CPU s per stream s"),
         ("engine_cpu_s_per_stream_s", "engine CPU s per stream s"),
         ("streams_per_frontend_core", "streams per front-end core"),
+        ("reply_audio_s", "reply audio s"),
     ]
-    tables = print_table("The server's front end (its event loop) per duplex Ogg/Opus stream", rows, columns)
+    tables = print_table("The server's front end per duplex Ogg/Opus stream", rows, columns)
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["streams"] for r in rows], [r["streams_per_frontend_core"] for r in rows], "o-")
+    for count in sorted({r["frontends"] for r in rows}):
+        mine = [r for r in rows if r["frontends"] == count]
+        label = f"{count} front-end processes" if count else "one process (its event loop)"
+        ax.plot([r["streams"] for r in mine], [r["streams_per_frontend_core"] for r in mine], "o-", label=label)
     ax.axhline(60, ls="--", c="gray", label="issue 22's target: 60")
     ax.set_xlabel("streams at once")
     ax.set_ylabel("streams per core of front-end CPU time")

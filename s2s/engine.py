@@ -47,6 +47,14 @@ log = logging.getLogger("s2s.engine")
 __all__ = ["FRAME_S", "AudioEvent", "CodesEvent", "Engine", "EngineConfig", "EngineSnapshot", "MetaEvent", "Refused"]
 
 
+def checked_audio(pcm: np.ndarray) -> np.ndarray:
+    """`pcm` as float32 samples, or a ValueError unless each is finite and in [-1, 1]."""
+    pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
+    if len(pcm) and not (np.isfinite(pcm).all() and np.abs(pcm).max() <= 1):
+        raise ValueError("audio must be finite samples in [-1, 1]")
+    return pcm
+
+
 class Engine:
     runner_class: type[ModelRunner] = ModelRunner  # what computes a round (`s2s bench engine` swaps in a baseline)
 
@@ -157,9 +165,7 @@ class Engine:
         samples raise `ValueError` here, in the caller's thread: the codec would raise in the engine's."""
         if self.tok is None:
             raise ValueError("this engine has no codec: feed it codes with push_codes")
-        pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
-        if len(pcm) and not (np.isfinite(pcm).all() and np.abs(pcm).max() <= 1):
-            raise ValueError("audio must be finite samples in [-1, 1]")
+        pcm = checked_audio(pcm)
         s = self.registry.fed(cid, "audio")
         self._commands.put(functools.partial(self._apply_input, s, pcm, len(pcm) / SAMPLE_RATE, self.clock()))
 

@@ -15,15 +15,18 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import os
 import ssl
 import urllib.parse
 from dataclasses import dataclass, field, replace
 from http import HTTPStatus
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
@@ -35,6 +38,9 @@ from server.realtime import RealtimeEndpoint
 from server.turn_gate import TurnGate
 from server.turn_metrics import TurnMetrics
 from server.vad import VadConfig
+
+if TYPE_CHECKING:
+    from server.engine_client import EngineClient
 
 WEB_DIR = Path(__file__).parent / "web"
 WEB_FILES = {  # the page's files and their types
@@ -102,13 +108,17 @@ def refusal(request: Request, options: ServerOptions) -> tuple[HTTPStatus, str] 
 
 
 class _EngineCollector:
-    """Prometheus metrics from the engine's snapshot at scrape time (never its live state, which its thread owns)."""
+    """Prometheus metrics from the engine's snapshot at scrape time (never its live state, which its thread owns),
+    and whether the server drains."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self, server: ChatServer):
+        self.server = server
 
     def collect(self):
-        snapshot = self.engine.snapshot()
+        yield GaugeMetricFamily(
+            "s2s_draining", "1 while this replica takes no new conversation", value=self.server.draining
+        )
+        snapshot = self.server.engine.snapshot()
         cache, stats = snapshot.cache, snapshot.stats
         yield GaugeMetricFamily("s2s_conversations", "open conversations", value=snapshot.conversations)
         pages = GaugeMetricFamily("s2s_kv_pages", "K/V pages by state", labels=["state"])
@@ -144,23 +154,34 @@ class _EngineCollector:
 
 
 class ChatServer:
-    def __init__(self, engine: Engine, options: ServerOptions | None = None):
-        self.engine = engine
+    def __init__(
+        self,
+        engine: Engine | EngineClient,
+        options: ServerOptions | None = None,
+        clients: PerClient | None = None,
+        reuse_port: bool = False,
+    ):
+        """`engine`: this process's, or the engine core's (a front end of `s2s serve --frontends`, with the core's
+        `clients` counts, listening with SO_REUSEPORT beside the others)."""
+        self.engine, self.reuse_port = engine, reuse_port
         self.options = options or ServerOptions()
-        self.gate = TurnGate(engine, self.options.vad)  # every connection's VAD turn ends pass through it
+        self.registry = CollectorRegistry()  # what /metrics shows
+        counters = self.registry  # where the server's own counters are kept
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:  # a front end: every front end's, summed from their files
+            MultiProcessCollector(self.registry)
+            counters = CollectorRegistry()
+        self.gate = TurnGate(engine, self.options.vad, counters)  # every connection's VAD turn ends pass through it
         vad = replace(self.options.vad, gate=self.gate)
-        self.registry = CollectorRegistry()
-        self.turns = TurnMetrics(self.registry)
+        self.turns = TurnMetrics(counters)
         self.endpoints: dict[str, Endpoint] = {
             "/api/chat": MoshiEndpoint(engine, vad, self.turns),
             "/v1/realtime": RealtimeEndpoint(engine, vad, self.options.served_model_name, self.turns),
         }
-        self.registry.register(_EngineCollector(engine))
-        self.registry.register(self.gate)
-        self.clients = PerClient(self.options.limits.max_conversations_per_client, self.options.forwarded_allow_ips)
+        self.registry.register(_EngineCollector(self))
+        self.clients = clients or PerClient(
+            self.options.limits.max_conversations_per_client, self.options.forwarded_allow_ips
+        )
         self.draining = False
-        gauge = Gauge("s2s_draining", "1 while this replica takes no new conversation", registry=self.registry)
-        gauge.set_function(lambda: self.draining)
         self._server: Server | None = None
 
     def drain(self) -> None:
@@ -184,6 +205,7 @@ class ChatServer:
             compression=None,  # audio does not deflate (Opus, base64 PCM): it cost the event loop a tenth of its time
             server_header="s2s",  # not websockets' default, which tells Python's version and its own
             ssl=self.options.tls(),
+            reuse_port=self.reuse_port,
         )
         return self._server.sockets[0].getsockname()[1]
 

@@ -307,6 +307,12 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
         raise SystemExit(f"bad server options: {e}") from None
 
 
+def serving_line(options: ServerOptions, port: int) -> str:
+    """What a server prints once it listens (`ServerProcess` waits for it)."""
+    host, s = options.host, "s" if options.ssl_certfile else ""
+    return f"serving ws{s}://{host}:{port}/api/chat  (http{s}://{host}:{port}/ the page, /healthz, /metrics)"
+
+
 async def serve_until_sigterm(server: ChatServer, note: Callable[[], str] | None = None) -> None:
     """Start `server`, print `note()` (if any) and the "serving" line `ServerProcess` waits for, serve until
     SIGTERM, then stop it. SIGUSR1 drains it (`ChatServer.drain`: `s2s cluster drain`)."""
@@ -323,19 +329,26 @@ async def serve_until_sigterm(server: ChatServer, note: Callable[[], str] | None
     try:
         if note is not None:
             print(note())
-        host, s = server.options.host, "s" if server.options.ssl_certfile else ""
-        pages = f"http{s}://{host}:{port}/ the page, /healthz, /metrics"
-        print(f"serving ws{s}://{host}:{port}/api/chat  ({pages})", flush=True)
+        print(serving_line(server.options, port), flush=True)
         await stop.wait()
     finally:
         await server.stop()
 
 
-async def _serve(args: argparse.Namespace) -> None:
+def serve(args: argparse.Namespace) -> None:
+    import asyncio
+
     from server.app import ChatServer
+    from server.frontends import default_frontends, serve_with_frontends
 
     options = server_options(args)
-    await serve_until_sigterm(ChatServer(engine_of(args)[0], options))
+    frontends = default_frontends() if args.frontends is None else args.frontends
+    if frontends < 0:
+        raise SystemExit(f"--frontends must be 0 or more, got {frontends}")
+    engine = engine_of(args)[0]
+    if frontends:
+        sys.exit(serve_with_frontends(engine, options, frontends))
+    asyncio.run(serve_until_sigterm(ChatServer(engine, options)))
 
 
 def client(args: argparse.Namespace) -> None:
@@ -417,6 +430,13 @@ def main(argv: list[str] | None = None) -> None:
     rt.add_argument("--out", type=Path, default=Path("out/roundtrip.wav"), help="where to write the decoded audio")
     sv = sub.add_parser("serve", help="run the websocket server")
     add_server_args(sv)
+    sv.add_argument(
+        "--frontends",
+        type=int,
+        default=None,
+        help="websocket front-end processes on the port, beside the engine's (default: one per 8 cores; 0: one "
+        "process for everything)",
+    )
     cl = sub.add_parser("client", help="stream a WAV file to a server and save the reply")
     cl.add_argument("url", help="ws://host:port")
     cl.add_argument("--wav", type=Path, required=True)
@@ -442,9 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "roundtrip":
         roundtrip(args)
     elif args.command == "serve":
-        import asyncio
-
-        asyncio.run(_serve(args))
+        serve(args)
     elif args.command == "client":
         client(args)
     elif args.command == "demo":

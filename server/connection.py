@@ -234,18 +234,25 @@ class PerClient:
             return f"this client has {self.limit} conversations open, the most one client may"
         return None
 
-    @contextlib.contextmanager
-    def conversation(self, client: str) -> Iterator[None]:
-        """Hold one of the client's conversations; `Refused` past the limit."""
+    def take(self, client: str) -> None:
+        """One more of the client's conversations; `Refused` past the limit."""
         if reason := self.problem(client):
             raise Refused(reason)
         self.open[client] += 1
+
+    def give_back(self, client: str) -> None:
+        self.open[client] -= 1
+        if not self.open[client]:
+            del self.open[client]
+
+    @contextlib.contextmanager
+    def conversation(self, client: str) -> Iterator[None]:
+        """Hold one of the client's conversations while in the block; `Refused` past the limit."""
+        self.take(client)
         try:
             yield
         finally:
-            self.open[client] -= 1
-            if not self.open[client]:
-                del self.open[client]
+            self.give_back(client)
 
 
 class Pace:

@@ -11,13 +11,12 @@ said they were done.
 
 from __future__ import annotations
 
+import collections
 import threading
-from collections import Counter
-from collections.abc import Iterator
 from itertools import islice
 from typing import TYPE_CHECKING
 
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client import CollectorRegistry, Counter
 
 if TYPE_CHECKING:
     from s2s import Engine, EngineSnapshot
@@ -28,11 +27,37 @@ REASONS = ("short", "unsure", "saturated")  # short, unsure: the endpointer's (`
 
 
 class TurnGate:
-    def __init__(self, engine: Engine, cfg: VadConfig):
-        self.engine, self.cfg = engine, cfg
-        self.passed, self.taken_back, self.dropped = 0, 0, Counter()
+    def __init__(self, engine: Engine, cfg: VadConfig, registry: CollectorRegistry | None = None):
+        """`registry`: where its counters are kept (prometheus-client's multiprocess mode sums them over a
+        server's front ends)."""
+        self.engine, self.cfg, self.registry = engine, cfg, registry or CollectorRegistry()
+        self._passed = Counter("s2s_turns_passed", "turn ends the VAD sent to the engine", registry=self.registry)
+        self._dropped = Counter(
+            "s2s_turns_dropped",
+            "turn ends the VAD did not send: short, unsure, or saturated",
+            ["reason"],
+            registry=self.registry,
+        )
+        for reason in REASONS:
+            self._dropped.labels(reason)  # each is exported from 0
+        self._taken_back = Counter("s2s_turns_taken_back", "replies cancelled: speech resumed", registry=self.registry)
         self._lock = threading.Lock()  # endpointers run in worker threads
         self._ticks, self._since = -1, 0  # the last snapshot's tick count, and turns passed since that snapshot
+
+    @property
+    def passed(self) -> int:
+        """Turn ends this process's gate let through."""
+        return int(self.registry.get_sample_value("s2s_turns_passed_total"))
+
+    @property
+    def taken_back(self) -> int:
+        return int(self.registry.get_sample_value("s2s_turns_taken_back_total"))
+
+    @property
+    def dropped(self) -> collections.Counter[str]:
+        """Turn ends dropped, by reason (those with none left out)."""
+        counts = {r: int(self.registry.get_sample_value("s2s_turns_dropped_total", {"reason": r})) for r in REASONS}
+        return collections.Counter({r: n for r, n in counts.items() if n})
 
     def admit(self, turn: TurnScore) -> bool:
         """Whether `turn`'s end goes to the engine; a dropped one is counted."""
@@ -41,9 +66,9 @@ class TurnGate:
             if snapshot.stats.ticks != self._ticks:
                 self._ticks, self._since = snapshot.stats.ticks, 0
             if turn.confidence < self.cfg.confident and self.saturated(snapshot):
-                self.dropped["saturated"] += 1
+                self._dropped.labels("saturated").inc()
                 return False
-            self.passed += 1
+            self._passed.inc()
             self._since += 1
             return True
 
@@ -60,21 +85,8 @@ class TurnGate:
 
     def drop(self, reason: str) -> None:
         """The endpointer ended a stretch that is no turn (`TurnScore.problem`)."""
-        with self._lock:
-            self.dropped[reason] += 1
+        self._dropped.labels(reason).inc()
 
     def took_back(self) -> None:
         """Speech resumed right after a turn's end: its reply is cancelled unheard."""
-        with self._lock:
-            self.taken_back += 1
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        """Prometheus: `s2s_turns_passed_total`, `s2s_turns_dropped_total{reason}`, `s2s_turns_taken_back_total`."""
-        yield CounterMetricFamily("s2s_turns_passed", "turn ends the VAD sent to the engine", value=self.passed)
-        dropped = CounterMetricFamily(
-            "s2s_turns_dropped", "turn ends the VAD did not send: short, unsure, or saturated", labels=["reason"]
-        )
-        for reason in REASONS:
-            dropped.add_metric([reason], self.dropped[reason])
-        yield dropped
-        yield CounterMetricFamily("s2s_turns_taken_back", "replies cancelled: speech resumed", value=self.taken_back)
+        self._taken_back.inc()

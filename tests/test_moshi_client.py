@@ -17,7 +17,7 @@ from tests_support import ServerThread
 from codec import EncodecTokenizer
 from s2s import Engine, EngineConfig, ModelConfig, S2SModel
 from s2s.weights import shipped
-from server.app import ChatServer, ServerOptions
+from server.app import ServerOptions
 from server.audio import save_wav
 from server.speech import synthesize
 
@@ -61,7 +61,7 @@ def test_kyutai_moshi_client_holds_a_duplex_conversation(tmp_path: Path) -> None
             time.sleep(0.1)
         pulse(env, "pactl", "set-default-sink", "spk")
         pulse(env, "pactl", "set-default-source", "mic.monitor")
-        with ServerThread(ChatServer(engine, ServerOptions(port=0))) as port:
+        with ServerThread(engine, ServerOptions(port=0)) as port:
             recorder = subprocess.Popen(
                 [
                     "parec",

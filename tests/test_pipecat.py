@@ -13,7 +13,7 @@ import pytest
 from tests_support import ServerThread
 
 from s2s import Engine, EngineConfig
-from server.app import ChatServer, ServerOptions
+from server.app import ServerOptions
 from server.audio import save_wav
 from server.speech import synthesize
 
@@ -28,7 +28,7 @@ def test_pipecat_realtime_service_holds_a_turn(parts, tmp_path: Path, mode: str)
     engine = Engine(model, tok, EngineConfig(num_pages=512, max_context=1024, calibration_ticks=0, max_reply_frames=40))
     wav = tmp_path / "question.wav"
     save_wav(wav, np.concatenate([synthesize("Good morning, can you hear me?"), np.zeros(24000, np.float32)]))
-    with ServerThread(ChatServer(engine, ServerOptions(port=0, token="pipecat-token"))) as port:
+    with ServerThread(engine, ServerOptions(port=0, token="pipecat-token")) as port:
         run = subprocess.run(
             [
                 PIPECAT_PYTHON,

@@ -10,6 +10,7 @@ import urllib.request
 
 import numpy as np
 import pytest
+from tests_support import FRONTENDS
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -18,6 +19,7 @@ from s2s.weights import shipped
 from server import protocol
 from server.app import ChatServer, ServerOptions
 from server.client import refusal_of, talk
+from server.frontends import Frontends
 from server.protocol import Kind
 
 
@@ -41,6 +43,8 @@ def run_with_server(parts, body, options: ServerOptions | None = None, voices: d
         engine = Engine(model, tok, cfg)
         for name, codes in (voices or {}).items():
             engine.add_voice(name, codes)
+        if FRONTENDS:
+            return await through_frontends(engine, options or ServerOptions(port=0), body)
         server = ChatServer(engine, options or ServerOptions(port=0))
         port = await server.start()
         try:
@@ -49,6 +53,17 @@ def run_with_server(parts, body, options: ServerOptions | None = None, voices: d
             await server.stop()
 
     return asyncio.run(main())
+
+
+async def through_frontends(engine: Engine, options: ServerOptions, body):
+    """`body(url, server)` against the engine behind `FRONTENDS` front-end processes; `server` has the engine, the
+    core's per-client counts and `drain()`."""
+    group = Frontends(engine, options, FRONTENDS)
+    port = await asyncio.to_thread(group.start)
+    try:
+        return await body(f"ws://127.0.0.1:{port}", group)
+    finally:
+        await asyncio.to_thread(group.stop)
 
 
 async def http_get(url: str) -> str:
@@ -332,7 +347,16 @@ def test_vad_ends_the_turn_and_speaking_over_the_reply_interrupts_it(parts) -> N
 # fuzzer that stalled the healthy conversation would still show.
 # The codec is the shipped one, as the `parts` fixture's (tests/conftest.py) and for the same reason.
 SERVE_ARGS = ["--preset", "tiny", "--codec", str(shipped("codec")), "--frames-per-tick", "4", "--kv-pages", "1024"]
-SERVE_ARGS += ["--threads", "1", "--admission-headroom", "2.0", "--jitter-buffer-ms", "1000"]
+SERVE_ARGS += [
+    "--threads",
+    "1",
+    "--admission-headroom",
+    "2.0",
+    "--jitter-buffer-ms",
+    "1000",
+    "--frontends",
+    str(FRONTENDS),
+]
 
 
 def test_fuzzed_messages_beside_a_healthy_duplex_conversation(tmp_path) -> None:

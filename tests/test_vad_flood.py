@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from test_server import run_with_server
+from prometheus_client import generate_latest
+from test_server import http_get, metric, run_with_server
 
 from s2s import Engine, EngineConfig, ModelConfig, S2SModel
 from s2s.turns import Phase
@@ -94,9 +94,7 @@ def test_the_gate_drops_unsure_turns_only_when_saturated() -> None:
     assert full.dropped == {"saturated": 1} and full.passed == 1
     alone = TurnGate(saturated_engine(reply_phases=0, tick_s=0.045, listening=1), VadConfig())
     assert alone.admit(unsure) and not alone.dropped  # the one conversation: its replies delay nobody else's
-    registry = CollectorRegistry()
-    registry.register(full)
-    text = generate_latest(registry).decode()
+    text = generate_latest(full.registry).decode()
     assert 's2s_turns_dropped_total{reason="saturated"} 1.0' in text and "s2s_turns_passed_total 1.0" in text
 
 
@@ -125,13 +123,13 @@ def test_through_the_server_a_fragment_gets_no_reply_and_a_pause_is_taken_back(p
     async def body(url, server):
         from websockets.asyncio.client import connect
 
-        gate = server.gate
         async with connect(f"{url}/api/chat?mode=turn&codec=pcm16") as ws:
             for a in range(0, len(pcm), 3840):
                 await ws.send(protocol.audio(pcm[a : a + 3840]))
             for _ in range(400):  # until the second end of turn has started its reply
                 sessions = list(server.engine.sessions.values())
-                if gate.passed == 2 and sessions and sessions[0].turns[-1].reply_start is not None:
+                gate = await http_get(f"{url}/metrics")  # the gate's counts (every front end's, with front ends)
+                if metric(gate, "s2s_turns_passed_total") == 2 and sessions[0].turns[-1].reply_start is not None:
                     break
                 await asyncio.sleep(0.05)
             turns = [replace(t) for t in sessions[0].turns]
@@ -139,7 +137,10 @@ def test_through_the_server_a_fragment_gets_no_reply_and_a_pause_is_taken_back(p
             return gate, turns
 
     gate, turns = run_with_server(parts, body, max_reply_frames=400)
-    assert gate.dropped == {"short": 1} and gate.taken_back == 1 and gate.passed == 2
+    assert metric(gate, "s2s_turns_dropped_total", 'reason="short"') == 1
+    assert metric(gate, "s2s_turns_dropped_total", 'reason="unsure"') == 0
+    assert metric(gate, "s2s_turns_dropped_total", 'reason="saturated"') == 0
+    assert metric(gate, "s2s_turns_taken_back_total") == 1 and metric(gate, "s2s_turns_passed_total") == 2
     first, second = turns
     assert "interrupted" in first.times and first.reply_end == first.reply_start  # taken back: nothing kept
     assert second.reply_start is not None

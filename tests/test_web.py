@@ -16,7 +16,7 @@ from tests_support import ServerThread
 from bench import web_bench
 from bench.browser import CHROMIUM, open_page
 from s2s import Engine, EngineConfig
-from server.app import ChatServer, ServerOptions
+from server.app import ServerOptions
 
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (scripts/setup.sh installs it)")
 ROWS = "[...document.querySelectorAll('#turns tbody tr')].map(r => [...r.cells].map(c => c.textContent))"
@@ -44,7 +44,7 @@ def serve(parts, body, options: ServerOptions | None = None, voices: dict | None
     engine = Engine(model, tok, cfg)
     for name, codes in (voices or {}).items():
         engine.add_voice(name, codes)
-    with ServerThread(ChatServer(engine, options or ServerOptions(port=0))) as port:
+    with ServerThread(engine, options or ServerOptions(port=0)) as port:
         return asyncio.run(body(f"http://127.0.0.1:{port}", engine))
 
 

@@ -1,0 +1,227 @@
+"""`s2s serve --frontends N`: the websocket endpoints in N processes on one port, one engine behind them
+(server/frontends.py, server/engine_core.py, server/engine_client.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from test_server import metric, speech
+from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
+
+from s2s import Engine, EngineConfig, ModelConfig, Refused, S2SModel
+from s2s.events import MetaEvent
+from s2s.weights import shipped
+from server.client import refusal_of, talk
+from server.connection import PerClient
+from server.engine_client import CoreClients, EngineClient
+from server.engine_core import EngineCore
+from server.process import ServerProcess
+
+TINY = ["--preset", "tiny", "--codec", str(shipped("codec")), "--threads", "1", "--admission-headroom", "inf"]
+
+
+def get(url: str, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url.replace("ws://", "http://") + path, timeout=10) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def every_frontend(url: str, path: str, tries: int = 12) -> list[tuple[int, str]]:
+    """`path` asked on `tries` new connections: the kernel spreads them over the front ends by hash."""
+    return [get(url, path) for _ in range(tries)]
+
+
+def test_conversations_through_two_front_ends_are_heard_and_counted_once() -> None:
+    """A held-out sentence in turn mode (pcm16) and in duplex (Ogg/Opus) through `--frontends 2` on the shipped echo
+    model: the recogniser hears it in each reply, as in one process (`s2s demo`). Every front end's /metrics shows
+    the same figures: the engine's, and the front ends' own counters summed."""
+    from speech import oracle
+    from speech.voices import HELDOUT_VOICES, say
+
+    sentence = "the train leaves at seven tonight"
+    question = say(sentence, HELDOUT_VOICES[0])
+    serve = ["--frontends", "2", "--threads", "1", "--jitter-buffer-ms", "1000", "--admission-headroom", "inf"]
+    with ServerProcess(*serve) as url:
+
+        async def conversations():
+            turn = await talk(url, question, mode="turn", codec="pcm16", listen_s=15.0, seed="1")
+            duplex = await talk(url, question, mode="duplex", codec="opus", listen_s=1.0, seed="2")
+            more = await asyncio.gather(*(talk(url, speech(0.5), mode="duplex", codec="pcm16") for _ in range(4)))
+            return turn, duplex, more
+
+        turn, duplex, more = asyncio.run(conversations())
+        hear = oracle.recognizer()
+        for reply in (turn, duplex):
+            assert reply.handshake and not reply.errors, reply.errors
+            assert hear.transcribe(reply.reply) == sentence
+        assert turn.turn_latency_s is not None
+        assert all(r.handshake and not r.errors and len(r.reply) >= 0.4 * 24000 for r in more)
+        for _ in range(50):  # the last close reaches the engine a moment after the client's
+            if metric(get(url, "/metrics")[1], "s2s_conversations") == 0:
+                break
+            time.sleep(0.1)
+        time.sleep(0.3)  # a snapshot newer than the last close (the core sends one every 0.1 s)
+        for status, text in every_frontend(url, "/metrics"):
+            assert status == 200
+            assert metric(text, "s2s_connections_total", 'protocol="moshi"') == 6
+            assert metric(text, "s2s_turn_stage_seconds_count", 'protocol="moshi",stage="turn_latency"') == 1
+            assert metric(text, "s2s_conversations") == 0 and metric(text, "s2s_kv_pages", 'state="private"') == 0
+
+
+def test_admission_and_the_per_client_limit_hold_across_front_ends() -> None:
+    """The engine's maximum and one client's limit are the whole server's, whichever front end a connection
+    reaches: with a maximum of 3, the fourth is refused (503) and counted once; with a per-client limit of 2, a
+    client's third is refused (429) while its two are open."""
+
+    async def hold(url: str, n: int, stop: asyncio.Event) -> list:
+        opened, ready = [], asyncio.Event()
+
+        async def one():
+            async with connect(f"{url}/api/chat?mode=duplex&codec=pcm16") as ws:
+                await ws.recv()  # the handshake
+                opened.append(ws)
+                if len(opened) == n:
+                    ready.set()
+                await stop.wait()
+
+        tasks = [asyncio.create_task(one()) for _ in range(n)]
+        await asyncio.wait_for(ready.wait(), 60)
+        return tasks
+
+    async def refused_after(url: str, n: int) -> str:
+        stop = asyncio.Event()
+        tasks = await hold(url, n, stop)
+        try:
+            with pytest.raises(InvalidStatus) as refused:
+                async with connect(f"{url}/api/chat?mode=duplex&codec=pcm16"):
+                    pass
+            return f"{refused.value.response.status_code} {refusal_of(refused.value)}"
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+
+    with ServerProcess(*TINY, "--frontends", "2", "--max-conversations", "3") as url:
+        said = asyncio.run(refused_after(url, 3))
+        assert said.startswith("503 refused: the engine holds its maximum of 3"), said
+        time.sleep(0.5)  # a snapshot newer than the refusal (the core sends one every 0.1 s)
+        assert {metric(text, "s2s_refused_total") for _, text in every_frontend(url, "/metrics")} == {1}
+    with ServerProcess(*TINY, "--frontends", "2", "--max-conversations-per-client", "2") as url:
+        said = asyncio.run(refused_after(url, 2))
+        assert said.startswith("429 refused: this client has 2 conversations open"), said
+        time.sleep(0.5)  # the closes reach the core
+        assert asyncio.run(talk(url, speech(0.3), mode="duplex", codec="pcm16")).handshake  # given back
+
+
+def test_sigusr1_drains_every_front_end_and_a_dead_front_end_stops_the_server() -> None:
+    server = ServerProcess(*TINY, "--frontends", "2")
+    with server as url:
+        assert {status for status, _ in every_frontend(url, "/healthz")} == {200}
+        server.proc.send_signal(signal.SIGUSR1)
+        time.sleep(1.0)
+        assert {status for status, _ in every_frontend(url, "/healthz")} == {503}
+        frontend = next(line for line in server.output.splitlines() if "front-end processes" in line)
+        children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
+        spawned = [pid for pid in children if "spawn_main" in open(f"/proc/{pid}/cmdline").read()]
+        assert len(spawned) == 2, (frontend, children)
+        subprocess.run(["kill", "-9", spawned[0]], check=True)
+        assert server.proc.wait(30) == 1, server.output
+        assert "exited: stopping the server" in server.output
+
+
+@contextlib.contextmanager
+def running_core():
+    """An engine (tiny, codec-free) behind its core in a thread, and a front end's client to it in this thread."""
+    model = S2SModel.from_seed(ModelConfig.preset("tiny", num_codebooks=2), seed=0)
+    engine = Engine(model, None, EngineConfig(calibration_ticks=0, num_pages=256, max_conversations=4))
+    engine.add_voice("narrator", np.zeros((2, 16), dtype=np.int64))
+    address = f"ipc:///tmp/s2s-test-core-{id(engine)}"
+    core = EngineCore(engine, address, PerClient(1))
+    stop = threading.Event()
+    thread = threading.Thread(target=core.run, args=(stop.is_set,), daemon=True)
+    engine.start()
+    thread.start()
+    try:
+        yield engine, EngineClient(address, b"frontend-0"), address
+    finally:
+        stop.set()
+        thread.join()
+        engine.stop()
+
+
+def test_the_client_raises_in_the_caller_what_the_engine_would() -> None:
+    """What `Engine` raises in the caller's thread, the front end's client raises in its own: an unknown voice, a
+    turn-mode call on a duplex conversation, samples out of range, a closed conversation, a refusal."""
+    with running_core() as (engine, client, _):
+        assert client.voices == {"narrator"} and client.model.config.num_codebooks == 2
+        engine.add_voice("guide", np.zeros((2, 16), dtype=np.int64))  # while it serves
+        assert client.voices == {"narrator", "guide"}
+        with pytest.raises(KeyError, match="no voice prompt named 'nobody'"):
+            client.open("duplex", prompt="nobody")
+        cid = client.open("duplex", prompt="narrator")
+        with pytest.raises(ValueError, match="end_turn is for turn mode"):
+            client.end_turn(cid)
+        with pytest.raises(ValueError, match="codes must lie in"):
+            client.push_codes(cid, np.full((2, 4), 5000))
+        with pytest.raises(ValueError, match="no codec"):
+            client.push_audio(cid, np.zeros(1920, dtype=np.float32))
+        clients = CoreClients(client, 1)
+        clients.take("10.0.0.1")
+        assert (
+            client.query("client_problem", "10.0.0.1")
+            == "this client has 1 conversations open, the most one client may"
+        )
+        with pytest.raises(Refused, match="this client has 1"):
+            clients.take("10.0.0.1")
+        clients.give_back("10.0.0.1")
+        assert clients.problem("10.0.0.1") is None
+        client.close(cid)
+        with pytest.raises(KeyError, match="no open session"):
+            client.pause(cid)
+
+
+def test_events_reach_the_front_end_that_opened_the_conversation_and_no_other() -> None:
+    """Codes pushed through one front end's client come back to it as the engine's events, ended by None; a second
+    front end cannot touch a conversation it does not hold (its command is ignored, the conversation goes on)."""
+
+    async def main(engine, client, address):
+        client.start()
+        other = EngineClient(address, b"frontend-1")
+        cid = client.open("duplex")
+        other._modes[cid] = "duplex"  # as if it held it: the core still knows better
+        other.close(cid)
+        client.push_codes(cid, np.full((2, 40), 7))
+        q, codes = client.event_queue(cid), 0
+        deadline = time.monotonic() + 30
+        while codes < 30 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            while q.qsize():
+                event = q.get_nowait()
+                assert event is not None, "closed by a front end that does not hold it"
+                codes += 0 if isinstance(event, MetaEvent) else event.codes.shape[-1]
+        assert codes >= 30
+        client.close(cid)
+        while (event := await asyncio.to_thread(q.get, timeout=10)) is not None:
+            pass
+
+    with running_core() as (engine, client, address):
+        asyncio.run(main(engine, client, address))
+
+
+def test_serve_refuses_a_negative_front_end_count() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "server.cli", "serve", "--frontends", "-1"], capture_output=True, text=True
+    )
+    assert out.returncode != 0 and "--frontends must be 0 or more" in out.stderr
