@@ -211,6 +211,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server (0: one per core)")
     p.add_argument("--modes", default="duplex,turn", help="which sweeps: duplex, turn or both")
     p.add_argument("--client-procs", type=int, default=0, help="processes for the clients (0: in this process)")
+    p.add_argument(
+        "--frontends", type=int, default=None, help="the server's front-end processes (default: the server's own)"
+    )
     p.add_argument("--ramp-s", type=float, default=3.2, help="clients start 0.1 s apart, or over this many seconds")
     add_device_args(p)
     args = p.parse_args()
@@ -223,6 +226,8 @@ def main() -> None:
     serve_args = ["--preset", args.preset, "--frames-per-tick", "4", "--max-reply-frames", "225"]
     serve_args += ["--threads", str(args.threads), *device_server_args(args)]
     serve_args += ["--max-conversations-per-client", "0"]  # every client connects from this host
+    if args.frontends is not None:
+        serve_args += ["--frontends", str(args.frontends)]
     pages = max(levels) * (math.ceil((args.seconds + 1) / FRAME_S / 16) + 2)  # each one's speech, and its reply
     serve_args += ["--max-conversations", str(max(32, max(levels))), "--kv-pages", str(max(4096, pages))]
     device = device_name(args.device)
@@ -247,6 +252,7 @@ def main() -> None:
                         "cuda_graphs": not args.enforce_eager,
                         "client_codec": "pcm16",
                         "client_procs": args.client_procs,
+                        "frontends": args.frontends,
                         "seconds_per_client": args.seconds,
                         **row,
                         **environment(),

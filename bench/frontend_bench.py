@@ -30,6 +30,7 @@ import matplotlib.pyplot as plt
 from bench.common import environment, parser, print_table, save_outputs, write_json
 from bench.concurrency_bench import client_pool, dealt, utterances
 from codec.tokenizer import SAMPLE_RATE
+from s2s.weights import shipped
 from server.process import ServerProcess
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
@@ -96,11 +97,19 @@ def main() -> None:
     p.add_argument("--frontends", default="0,1", help="front-end process counts, each a server of its own")
     p.add_argument("--seconds", type=float, default=8.0, help="speech per stream")
     p.add_argument("--client-procs", type=int, default=2, help="processes for the clients")
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="a seeded model of this shape instead of the echo model (the shipped codec still): a cheaper engine "
+        "keeps up with more streams, and admits by count only",
+    )
     args = p.parse_args()
     levels = [1, 2] if args.quick else [int(x) for x in args.levels.split(",")]
     seconds = 4.0 if args.quick else args.seconds
     pcm = utterances(seconds, max(levels))
     serve_args = ["--threads", "1", "--frames-per-tick", "4", "--max-conversations-per-client", "0"]
+    if args.preset:
+        serve_args += ["--preset", args.preset, "--codec", str(shipped("codec")), "--admission-headroom", "inf"]
     pool = client_pool(args.client_procs)
     rows, env = [], environment()
     with pool:

@@ -2,7 +2,7 @@
 # The checks that need an NVIDIA GPU, in one run: the Triton kernels and the CUDA-graph decode path against their
 # references on CUDA, the demo on the GPU, then the benchmarks whose targets need one (the decode step, the cascade
 # at 1/4/16, concurrency to 32), and the duplex sweeps to 512 conversations with `small` and `base` (issue 22: the
-# load generator in 12 processes of its own). Every stage has its own time limit and runs even if an earlier one
+# server with 4 front-end processes, the load generator in 10 processes of its own). Every stage has its own time limit and runs even if an earlier one
 # failed (if the graph tests fail, the benchmarks run with --enforce-eager); after each, OUTDIR is packed into
 # TARBALL (when given), so what finished survives a run that is cut short.
 #   bash scripts/gpu_check.sh OUTDIR [TARBALL]     (on the H200 the stages took 46, 22, 32, 24, 203 and about 150 s)
@@ -54,7 +54,7 @@ stage concurrency 190 $py -m server.cli bench concurrency --device "$dev" "${eag
     --json "$out/concurrency.json" --plot "$out/concurrency.png"
 for preset in small base; do
     stage "sweep-$preset" 240 $py -m server.cli bench concurrency --device "$dev" "${eager[@]}" --preset "$preset" \
-        --modes duplex --levels 16,64,128,256,384,512 --seconds 6 --client-procs 12 --ramp-s 3 \
+        --modes duplex --levels 16,64,128,256,384,512 --seconds 6 --client-procs 10 --frontends 4 --ramp-s 3 \
         --json "$out/sweep-$preset.json" --plot "$out/sweep-$preset.png"
 done
 cat "$out/stages.txt" 2>/dev/null
