@@ -270,6 +270,18 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    """What `s2s serve` takes (and `s2s cluster`, for its replicas): the server's options, and its processes."""
+    add_server_args(p)
+    p.add_argument(
+        "--frontends",
+        type=int,
+        default=None,
+        help="websocket front-end processes on the port, beside the engine's (default: one per 8 cores; 0: one "
+        "process for everything)",
+    )
+
+
 def server_options(args: argparse.Namespace) -> ServerOptions:
     """`add_server_args`' server options; a bad one exits (before an engine is built: call this first)."""
     from server.app import ServerOptions
@@ -429,14 +441,7 @@ def main(argv: list[str] | None = None) -> None:
     rt.add_argument("--text", default="Hello there. This is a test of the speech codec.", help="what espeak-ng says")
     rt.add_argument("--out", type=Path, default=Path("out/roundtrip.wav"), help="where to write the decoded audio")
     sv = sub.add_parser("serve", help="run the websocket server")
-    add_server_args(sv)
-    sv.add_argument(
-        "--frontends",
-        type=int,
-        default=None,
-        help="websocket front-end processes on the port, beside the engine's (default: one per 8 cores; 0: one "
-        "process for everything)",
-    )
+    add_serve_args(sv)
     cl = sub.add_parser("client", help="stream a WAV file to a server and save the reply")
     cl.add_argument("url", help="ws://host:port")
     cl.add_argument("--wav", type=Path, required=True)

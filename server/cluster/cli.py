@@ -51,7 +51,7 @@ def main(argv: list[str]) -> None:
 
 
 def run(argv: list[str]) -> None:
-    from server.cli import add_server_args
+    from server.cli import add_serve_args
 
     p = argparse.ArgumentParser(
         prog="s2s cluster",
@@ -72,7 +72,7 @@ def run(argv: list[str]) -> None:
     p.add_argument("--stats-port", type=int, default=0, help="HAProxy's /metrics and /stats (default: a free port)")
     args, serve_args = p.parse_known_args(argv)
     serve = argparse.ArgumentParser(prog="s2s cluster (serve options)")
-    add_server_args(serve)
+    add_serve_args(serve)
     taken = ("--port", "--host", "--replica-id", "--forwarded-allow-ips")
     if any(a.split("=")[0] in taken for a in serve_args):
         p.error(f"{', '.join(taken)} are the cluster's to set for its replicas")
