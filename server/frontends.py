@@ -92,7 +92,7 @@ class Frontends:
         deadline, listening = time.monotonic() + timeout_s, set()
         while len(listening) < self.count:
             if (dead := self.dead()) is not None:
-                raise RuntimeError(f"front end {dead} exited as it started")
+                raise RuntimeError(f"{dead} exited as it started")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{self.count - len(listening)} front ends did not listen in {timeout_s:g} s")
             try:
@@ -103,7 +103,9 @@ class Frontends:
         return self.options.port
 
     def dead(self) -> str | None:
-        """The name of a front end that has exited, if one has."""
+        """What has ended that should not have: a front end (by name), or the engine core's thread."""
+        if self._core.ident is not None and not self._core.is_alive() and not self._stop.is_set():
+            return "the engine core"  # (its log says why)
         return next((c.name for c in self.children if c.exitcode is not None), None)
 
     def drain(self) -> None:
@@ -143,7 +145,7 @@ def serve_with_frontends(engine: Engine, options: ServerOptions, count: int) -> 
         print(serving_line(options, port), flush=True)
         while not stop.wait(0.2):
             if (dead := group.dead()) is not None:
-                log.error("front end %s exited: stopping the server", dead)
+                log.error("%s exited: stopping the server", dead)
                 return 1
         return 0
     finally:
