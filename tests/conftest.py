@@ -1,5 +1,6 @@
 """Run Triton kernels in interpreter mode on machines without CUDA (before any kernel is defined); shared fixtures."""
 
+import math
 import os
 
 import pytest
@@ -23,9 +24,21 @@ def _cpu_kernel_built() -> None:
 def parts():
     """What the server tests serve: the seeded `tiny` model and the shipped codec. On one thread of a 2-core CPU
     without AVX-512, a seeded codec of the published size takes about as long to encode and decode a conversation's
-    frames as they last, so nothing served with it there keeps real time; the shipped codec takes under half that."""
+    frames as they last, so nothing served with it there keeps real time; the shipped codec takes under half that.
+
+    The model never draws the END code: seeded weights draw it about once in `vocab_size` frames, so a turn's reply
+    could end after a frame or two, before a test speaks over it or reads it. Its replies last `max_reply_frames`."""
     from codec import EncodecTokenizer
     from s2s import ModelConfig, S2SModel
     from s2s.weights import shipped
 
-    return S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0), EncodecTokenizer.from_pretrained(shipped("codec"))
+    model = S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0)
+    logits = model.logits
+
+    def without_end(hidden: torch.Tensor, linear=torch.nn.functional.linear) -> torch.Tensor:
+        out = logits(hidden, linear)
+        out[..., 0, model.config.end_id] = -math.inf
+        return out
+
+    model.logits = without_end
+    return model, EncodecTokenizer.from_pretrained(shipped("codec"))

@@ -332,9 +332,11 @@ def test_vad_ends_the_turn_and_speaking_over_the_reply_interrupts_it(parts) -> N
             await send_real_time(ws, interruption)
             await asyncio.sleep(0.3)
             [session] = engine.snapshot().sessions
+            [times] = [s.turns[0].times for s in engine.sessions.values()]
             sent_by_then = received
             counter.cancel()
         assert session["turn"] == 1 and session["phase"] != "reply", "speaking over the reply did not interrupt it"
+        assert "interrupted" in times, "the reply had ended before the user spoke over it"
         assert heard[-1] <= sent_by_then  # the barge-in: no more heard than was sent
 
     run_with_server(parts, body, max_reply_frames=400)
