@@ -11,7 +11,9 @@ times are read from /proc before and after. With front-end processes, theirs (ev
 the server process's is the engine's. In one process (`--frontends 0`), its main thread runs the event loop, so that
 thread's time is the front end's (duplex runs no VAD) and the rest (the engine thread, torch's workers) the
 engine's. Per level: CPU seconds per stream-second of each, and the streams one core of front-end time carries (1 /
-the first).
+the first), over the whole level (connections opened and closed, the half second each listens after its speech) and
+in its steady state: from a second after the last client started to half a second before the first one's speech
+ends, when all N stream both ways (what a front end costs per conversation that lasts minutes).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from s2s.weights import shipped
 from server.process import ServerProcess
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+STEADY_AFTER_S = 1.0  # the steady state starts this long after the last client started
+STEADY_BEFORE_END_S = 0.5  # and ends this long before the first one's speech ends
 
 
 def thread_cpu_s(pid: int) -> dict[int, float]:
@@ -67,15 +71,22 @@ def cpu_split(pid: int, frontends: list[int]) -> tuple[float, float]:
 
 
 async def measure(url: str, pid: int, pcms: list, pool: ProcessPoolExecutor, workers: int) -> dict:
-    """One level: its clients 0.1 s apart, the server's CPU time over it, the front end's and the engine's."""
+    """One level: its clients 0.1 s apart, the server's CPU time over it and in its steady state, the front end's and
+    the engine's."""
     frontends = frontend_pids(pid)
     front_before, engine_before = cpu_split(pid, frontends)
     start = time.monotonic()
     starts = [start + 0.1 * i for i in range(len(pcms))]
-    done = await dealt(pool, workers, url, "duplex", pcms, starts, "opus")
+    steady = (starts[-1] + STEADY_AFTER_S, start + min(len(p) for p in pcms) / SAMPLE_RATE - STEADY_BEFORE_END_S)
+    if steady[1] - steady[0] < 1:
+        raise ValueError("speech too short for a steady state of a second: raise --seconds")
+    clients = asyncio.ensure_future(dealt(pool, workers, url, "duplex", pcms, starts, "opus"))
+    steady_cpu = await _cpu_between(pid, frontends, *steady)
+    done = await clients
     wall = time.monotonic() - start
     front_after, engine_after = cpu_split(pid, frontends)
     front, engine = front_after - front_before, engine_after - engine_before
+    steady_front = steady_cpu / (len(pcms) * (steady[1] - steady[0]))
     served = [d for d in done if d["refusal"] is None]
     stream_s = sum(len(p) for p, d in zip(pcms, done, strict=True) if d["refusal"] is None) / SAMPLE_RATE
     return {
@@ -87,8 +98,19 @@ async def measure(url: str, pid: int, pcms: list, pool: ProcessPoolExecutor, wor
         "frontend_cpu_s_per_stream_s": front / stream_s if stream_s else float("nan"),
         "engine_cpu_s_per_stream_s": engine / stream_s if stream_s else float("nan"),
         "streams_per_frontend_core": stream_s / front if front else float("nan"),
+        "steady_s": steady[1] - steady[0],
+        "steady_frontend_cpu_s_per_stream_s": steady_front,
+        "steady_streams_per_frontend_core": 1 / steady_front if steady_front else float("nan"),
         "reply_audio_s": sum(d["audio_s"] for d in served),
     }
+
+
+async def _cpu_between(pid: int, frontends: list[int], a: float, b: float) -> float:
+    """The front end's CPU seconds between monotonic times `a` and `b`."""
+    await asyncio.sleep(a - time.monotonic())
+    before = cpu_split(pid, frontends)[0]
+    await asyncio.sleep(b - time.monotonic())
+    return cpu_split(pid, frontends)[0] - before
 
 
 def main() -> None:
@@ -129,6 +151,8 @@ def main() -> None:
         ("frontend_cpu_s_per_stream_s", "front-end CPU s per stream s"),
         ("engine_cpu_s_per_stream_s", "engine CPU s per stream s"),
         ("streams_per_frontend_core", "streams per front-end core"),
+        ("steady_frontend_cpu_s_per_stream_s", "steady: front-end CPU s per stream s"),
+        ("steady_streams_per_frontend_core", "steady: streams per front-end core"),
         ("reply_audio_s", "reply audio s"),
     ]
     tables = print_table("The server's front end per duplex Ogg/Opus stream", rows, columns)
@@ -136,7 +160,9 @@ def main() -> None:
     for count in sorted({r["frontends"] for r in rows}):
         mine = [r for r in rows if r["frontends"] == count]
         label = f"{count} front-end processes" if count else "one process (its event loop)"
-        ax.plot([r["streams"] for r in mine], [r["streams_per_frontend_core"] for r in mine], "o-", label=label)
+        line = ax.plot([r["streams"] for r in mine], [r["streams_per_frontend_core"] for r in mine], "o-", label=label)
+        steady = [r["steady_streams_per_frontend_core"] for r in mine]
+        ax.plot([r["streams"] for r in mine], steady, "s--", c=line[0].get_color(), label=f"{label}, steady")
     ax.axhline(60, ls="--", c="gray", label="issue 22's target: 60")
     ax.set_xlabel("streams at once")
     ax.set_ylabel("streams per core of front-end CPU time")

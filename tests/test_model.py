@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from s2s import ModelConfig, PagedBatch, S2SModel, SamplingParams, sample
-from s2s.sampling import _top_k, _top_k_top_p
+from s2s.sampling import RandomStream, _top_k, _top_k_top_p
 
 
 class Pages:
@@ -190,15 +190,43 @@ def test_top_k_without_nucleus_draws_what_the_sorted_vocabulary_draws() -> None:
     g = torch.Generator().manual_seed(1)
     for _ in range(20):
         scaled = 3 * torch.randn(8, 2, 1027, generator=g)
-        noise = torch.rand(8, 2, 1027, generator=g)
+        numbers = torch.rand(8, 2, 1027, generator=g)
+
+        def noise(ids: torch.Tensor, numbers: torch.Tensor = numbers) -> torch.Tensor:
+            return numbers.gather(-1, ids)
+
         top_k = torch.tensor([250, 50, 1027, 1] * 2, dtype=torch.float)[:, None, None]
         assert torch.equal(_top_k(scaled, noise, top_k, 1027), _top_k_top_p(scaled, noise, top_k, torch.ones(8)))
+        same = torch.full_like(top_k, 250)
+        unsorted = _top_k(scaled, noise, same, 250, one_k=True)
+        assert torch.equal(unsorted, _top_k_top_p(scaled, noise, same, torch.ones(8)))
+
+
+@pytest.mark.parametrize("across", ["seeds", "draws"])
+def test_counter_based_draws_follow_the_distribution(across: str) -> None:
+    """The hashed numbers are uniform enough for Gumbel-max to draw each id at its probability: over 8,000 rows of
+    consecutive seeds in one call, and over 8,000 draws of one seed; and one key draws the same again."""
+    probs = torch.tensor([0.05, 0.15, 0.3, 0.5])
+    params = SamplingParams(temperature=1.0, top_k=0)
+    if across == "seeds":
+        logits = probs.log().expand(8000, 2, 4)
+        picks = sample(logits, [params] * 8000, [RandomStream(seed) for seed in range(8000)])
+    else:
+        stream = RandomStream(12345)
+        picks = torch.cat([sample(probs.log().expand(1, 2, 4), [params], [stream]) for _ in range(8000)])
+        assert stream.draws == 8000
+    for k in range(2):
+        share = torch.bincount(picks[:, k], minlength=4).float() / len(picks)
+        assert (share - probs).abs().max() < 0.02, share  # about 4 standard deviations
+    assert (picks[:, 0] != picks[:, 1]).float().mean() > 0.5  # the codebooks' numbers differ
+    again = sample(probs.log().expand(3, 2, 4), [params] * 3, [RandomStream(7, draws=41) for _ in range(3)])
+    assert (again == again[0]).all()
 
 
 def test_sampling_rules() -> None:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 2, 50, generator=g)
-    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    gens = [RandomStream(i) for i in range(3)]
     greedy = sample(logits, [SamplingParams(temperature=0)] * 3, gens)
     assert torch.equal(greedy, logits.argmax(-1))
     assert torch.equal(sample(logits, [SamplingParams(top_k=1)] * 3, gens), greedy)
