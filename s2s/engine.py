@@ -299,23 +299,28 @@ class Engine:
         t = self.clock()
         logits = self.runner.forward(work)
         now = self.clock()
-        for i, w in enumerate(work):
+        for w, row in zip(work, logits.unbind(), strict=True):  # (one call for every row's view)
             s = w.session
-            s.last_active, s.last_logits = now, logits[i]
+            s.last_active, s.last_logits = now, row
             s.advance(len(w.tokens))
             turn = s.turns[-1] if s.turns else None
             if turn is not None and turn.reply_start is not None and s.computed >= turn.reply_start:
                 turn.times.setdefault("prefill_done", now)
             if not w.decode:
                 self.kv.insert(s, lock=True)  # a prefill chunk: sessions behind it can share it next tick
-        self._sample([w.session for w in work])  # waits for the forward: on a GPU its time lands here
+        self._sample([w.session for w in work], [w.wanted for w in work])  # waits for the forward (on a GPU)
         for s in self.sessions.values():
             if s.phase is Phase.REPLY:
                 s.fill_reply_silence()
         self.stats.phase_seconds["model"] += self.clock() - t
 
-    def _sample(self, sessions: list[Session]) -> None:
-        todo = [(s, wanted) for s in sessions if s.last_logits is not None and (wanted := s.wanted())]
+    def _sample(self, sessions: list[Session], known: list | None = None) -> None:
+        """Sample each session's next codes; `known`: what each will fill where the scheduler found it (or None)."""
+        todo = [
+            (s, filled)
+            for s, found in zip(sessions, known or [None] * len(sessions), strict=True)
+            if s.last_logits is not None and (filled := found or s.wanted())
+        ]
         if not todo:
             return
         codes = self.runner.sample([s for s, _ in todo])

@@ -36,6 +36,7 @@ class Work:
     session: Session
     tokens: np.ndarray  # [n, 2K] step tokens to compute
     decode: bool  # one step whose logits are sampled (a frame deadline depends on it)
+    wanted: list[tuple[int, int]] | None = None  # a decode step's: what sampling its logits fills (`wanted_after(1)`)
 
 
 def frame_deadline(s: Session, frame: int, jitter_buffer_s: float) -> float:
@@ -76,8 +77,8 @@ class Scheduler:
             if not len(tokens):
                 self._waiting_since.pop(s.id, None)
                 continue
-            if len(tokens) == 1 and s.wanted_after(1):
-                decode.append(Work(s, tokens, True))
+            if len(tokens) == 1 and (wanted := s.wanted_after(1)):
+                decode.append(Work(s, tokens, True, wanted))
             elif prefill:
                 waiting.append((s, tokens))
         decode.sort(key=lambda w: self.deadline(w.session))

@@ -184,6 +184,20 @@ class Session(TurnLifecycle):
                 tokens[: len(codes), column] = codes
         return tokens
 
+    def _recent_step(self, t: int) -> list[int] | None:
+        """Step t's 2K codes read one by one, or None at the first unknown (the model's first: a decode round waits on
+        those). Its frames must all be from the streams' `start` on. A known step is one `ready_steps` may return
+        alone whatever its bounds: the step count, the arrays' end, a chunk's pages and a gap's all stop after it."""
+        codes = [0] * (2 * len(self.delays))
+        for base, stream in ((len(self.delays), self.model), (0, self.user)):
+            data, start = stream.data, stream.start
+            for k, d in self.codebook_delays:
+                row = t - d - start
+                if row >= len(data) or (code := int(data[row, k])) == UNKNOWN:
+                    return None
+                codes[base + k] = code
+        return codes
+
     def _steps_in_arrays(self) -> int:
         """Steps from this one on need a frame beyond the stream arrays: none of them is known."""
         return max(0, len(self.user) + self.min_delay)
@@ -204,6 +218,12 @@ class Session(TurnLifecycle):
     def ready_steps(self, limit: int) -> np.ndarray:
         """Up to `limit` known steps from `computed` on, as `[n, 2K]` (n may be 0): steps of one chunk, which all
         see the same pages (`ContextBound.chunk_stop`), and none past the sink when the pages after it have a gap."""
+        t = self.computed
+        if limit >= 1 and t - self.max_delay >= max(self.user.start, self.model.start):  # a decode round's usual read
+            if (step := self._recent_step(t)) is None:
+                return np.empty((0, 2 * len(self.delays)), dtype=np.int64)
+            if self._recent_step(t + 1) is None:  # one step: within every bound (see `_recent_step`)
+                return np.array([step], dtype=np.int64)
         stop = min(self.computed + limit, max(self.computed, self._steps_in_arrays()))
         if self.bound is not None:
             stop = min(stop, self.bound.chunk_stop(self.sink, self.computed))
@@ -263,18 +283,21 @@ class Session(TurnLifecycle):
     def wanted_after(self, steps: int) -> list[tuple[int, int]]:
         """What sampling would fill once `steps` more steps are computed."""
         t, model = self.computed + steps, self.model
-        end, out = len(model), []
+        end, start, data, out = len(model), model.start, model.data, []
         for k, d in self.codebook_delays:
             f = t - d
-            if not 0 <= f < end or model.forgotten(f):  # (forgotten frames were all known)
+            if f >= start:  # the usual read: a recent frame
+                if f >= end or data[f - start, k] != UNKNOWN:
+                    continue
+            elif f < 0 or model.forgotten(f) or model.code(f, k) != UNKNOWN:  # (forgotten frames were all known)
                 continue
-            if model.code(f, k) == UNKNOWN and self._predicted(f):
+            if self._predicted(f):
                 out.append((f, k))
         return out
 
     def _predicted(self, frame: int) -> bool:
         if self.mode == "duplex":
-            return frame >= max(1, self.prompt_frames)
+            return frame >= 1 and frame >= self.prompt_frames
         turn = self.turns[-1] if self.turns else None
         return (
             turn is not None
@@ -286,8 +309,12 @@ class Session(TurnLifecycle):
     def accept(self, codes: np.ndarray, wanted: list[tuple[int, int]]) -> None:
         """Fill the `wanted()` (frame, codebook) pairs from sampled step codes `[K]`."""
         self._ensure(self.computed + 2)
+        model = self.model
         for f, k in wanted:
-            self.model[f, k] = codes[k]
+            if f >= model.start:
+                model.data[f - model.start, k] = codes[k]
+            else:
+                model[f, k] = codes[k]
 
     def complete_model_frames(self) -> int:
         """Model frames whose every codebook is known, counted from frame 0 (contiguous)."""
