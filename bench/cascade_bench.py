@@ -52,7 +52,7 @@ from bench.common import (
     scrape,
     write_json,
 )
-from codec.tokenizer import FRAME_SIZE, SAMPLE_RATE
+from codec.pcm import FRAME_SIZE, SAMPLE_RATE
 from s2s import ModelConfig
 from server import protocol
 from server.client import refusal_of

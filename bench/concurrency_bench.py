@@ -47,7 +47,7 @@ from bench.common import (
     scrape,
     write_json,
 )
-from codec.tokenizer import SAMPLE_RATE
+from codec.pcm import SAMPLE_RATE
 from s2s.config import FRAME_S
 from server.client import talk
 from server.process import ServerProcess

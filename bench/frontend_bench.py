@@ -31,7 +31,7 @@ import matplotlib.pyplot as plt
 
 from bench.common import environment, parser, print_table, save_outputs, write_json
 from bench.concurrency_bench import client_pool, dealt, utterances
-from codec.tokenizer import SAMPLE_RATE
+from codec.pcm import SAMPLE_RATE
 from s2s.weights import shipped
 from server.process import ServerProcess
 

@@ -47,7 +47,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from bench.common import add_device_args, device_server_args, environment, parser, print_table, save_outputs, scrape
 from bench.concurrency_bench import rss_bytes, utterances
-from codec.tokenizer import SAMPLE_RATE
+from codec.pcm import SAMPLE_RATE
 from server import protocol
 from server.client import refusal_of, talk
 from server.process import ServerProcess

@@ -56,7 +56,7 @@ from bench.soak.load import Load, at_baseline, pages, probe, settle
 from bench.soak.plans import QUICK_MIX, Mix
 from bench.soak.report import WAVE_COLUMNS, log_errors, plot, targets, wave_rows
 from bench.soak.sampler import Sampler
-from codec.tokenizer import SAMPLE_RATE
+from codec.pcm import SAMPLE_RATE
 from server.audio import save_wav
 from server.process import ServerProcess
 from server.speech import have_espeak, speech, synthesize

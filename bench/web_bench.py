@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from bench.browser import open_page
 from bench.common import environment, parser, percentiles, print_table, save_outputs
-from codec.tokenizer import SAMPLE_RATE
+from codec.pcm import SAMPLE_RATE
 from server.audio import save_wav
 from server.process import ServerProcess
 from server.speech import synthesize

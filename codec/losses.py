@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from transformers.audio_utils import mel_filter_bank
 
-from codec.tokenizer import SAMPLE_RATE
+from codec.pcm import SAMPLE_RATE
 
 
 class MultiScaleMelLoss(nn.Module):

@@ -14,11 +14,10 @@ from torch import nn
 from transformers import EncodecConfig, EncodecModel
 from transformers.utils import logging as hf_logging
 
+from codec.pcm import FRAME_SIZE, SAMPLE_RATE
 from codec.stream_layers import StreamingNet
 from codec.streaming import StreamingDecoder, StreamingEncoder
 
-SAMPLE_RATE = 24000
-FRAME_SIZE = 320
 BANDWIDTHS = (1.5, 3.0, 6.0, 12.0, 24.0)
 
 

@@ -28,8 +28,9 @@ from torch import nn
 from transformers import EncodecConfig, EncodecModel
 
 from codec.losses import MultiScaleMelLoss
+from codec.pcm import SAMPLE_RATE
 from codec.quantizer_train import kmeans_init, quantize
-from codec.tokenizer import BANDWIDTHS, SAMPLE_RATE, _weight_normed_convs
+from codec.tokenizer import BANDWIDTHS, _weight_normed_convs
 
 QUANTIZER_CHOICES = (2, 4, 8, 16, 32)  # codebooks at 1.5, 3, 6, 12, 24 kbps
 QUANTIZER_WEIGHTS = (0.4, 0.15, 0.15, 0.15, 0.15)

@@ -20,20 +20,19 @@ WARMUP_FRAMES = 16
 
 def calibrate(engine: Engine) -> None:
     """Seed `engine.cost` from ticks on 1, 2 and 4 sessions, each bringing a tick's worth of frames as in service;
-    then forget the sessions and the stats. The first pass only warms up (kernel builds, allocators)."""
+    then forget the sessions and the stats. The first pass only warms up (kernel builds, allocators): it measures
+    nothing."""
     cfg = engine.cfg
     frames = cfg.frames_per_tick
     silence = np.zeros(320 * frames, dtype=np.float32)
     zeros = np.zeros((engine.model.config.num_codebooks, frames), dtype=np.int64)
     warmup = math.ceil(WARMUP_FRAMES / frames)
-    for n in (1, 1, 2, 4):
-        if n == 1 and engine.cost.samples:
-            engine.cost.reset()
+    for n, measured in ((1, 0), (1, cfg.calibration_ticks), (2, cfg.calibration_ticks), (4, cfg.calibration_ticks)):
         if n > cfg.max_conversations or not cfg.calibration_ticks:
             break
         cids = [engine.open("duplex", sampling=SamplingParams(seed=i), admit=False) for i in range(n)]
         kept = len(engine.cost.samples)
-        for tick in range(warmup + cfg.calibration_ticks):
+        for tick in range(warmup + measured):
             for cid in cids:
                 if engine.tok is None:
                     engine.push_codes(cid, zeros)

@@ -11,10 +11,13 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers import LlamaConfig
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 FRAME_S = 320 / 24000  # one codec frame: 13.3 ms at 24 kHz
 
@@ -109,6 +112,8 @@ class ModelConfig:
         return cls(**{**fields, **overrides})
 
     def to_llama_config(self) -> LlamaConfig:
+        from transformers import LlamaConfig
+
         return LlamaConfig(
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,

@@ -26,7 +26,7 @@ import torch
 
 from cache import OutOfPages, PagePool
 from codec import EncodecTokenizer
-from codec.tokenizer import SAMPLE_RATE
+from codec.pcm import SAMPLE_RATE, checked_audio
 from s2s.audio_io import AudioIO
 from s2s.calibration import calibrate
 from s2s.config import FRAME_S, EngineConfig
@@ -45,14 +45,6 @@ from s2s.turns import Phase, Turn
 log = logging.getLogger("s2s.engine")
 
 __all__ = ["FRAME_S", "AudioEvent", "CodesEvent", "Engine", "EngineConfig", "EngineSnapshot", "MetaEvent", "Refused"]
-
-
-def checked_audio(pcm: np.ndarray) -> np.ndarray:
-    """`pcm` as float32 samples, or a ValueError unless each is finite and in [-1, 1]."""
-    pcm = np.asarray(pcm, dtype=np.float32).reshape(-1)
-    if len(pcm) and not (np.isfinite(pcm).all() and np.abs(pcm).max() <= 1):
-        raise ValueError("audio must be finite samples in [-1, 1]")
-    return pcm
 
 
 class Engine:

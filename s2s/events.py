@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from codec.tokenizer import FRAME_SIZE
+from codec.pcm import FRAME_SIZE
 
 
 @dataclass

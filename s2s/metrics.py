@@ -34,11 +34,6 @@ class CostModel:
         self._dirty = False
         self._lock = threading.Lock()
 
-    def reset(self) -> None:
-        with self._lock:
-            self.samples.clear()
-            self.pinned, self._coef, self._dirty = [], None, False
-
     def pin(self) -> None:
         with self._lock:
             self.pinned += self.samples

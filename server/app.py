@@ -31,7 +31,7 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
-from s2s import Engine, SamplingParams
+from s2s import SamplingParams
 from server.connection import Endpoint, Limits, PerClient, serve_connection
 from server.moshi import MoshiEndpoint
 from server.realtime import RealtimeEndpoint
@@ -40,6 +40,7 @@ from server.turn_metrics import TurnMetrics
 from server.vad import VadConfig
 
 if TYPE_CHECKING:
+    from s2s import Engine
     from server.engine_client import EngineClient
 
 WEB_DIR = Path(__file__).parent / "web"

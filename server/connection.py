@@ -41,7 +41,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
-from codec.tokenizer import FRAME_SIZE, SAMPLE_RATE
+from codec.pcm import FRAME_SIZE, SAMPLE_RATE
 from s2s import Refused
 from server.protocol import BLOCK, ProtocolError, StreamError
 from server.vad import Endpointer, VadConfig

@@ -23,8 +23,8 @@ import numpy as np
 import torch
 import zmq
 
+from codec.pcm import checked_audio
 from s2s import EngineSnapshot, SamplingParams
-from s2s.engine import checked_audio
 from s2s.events import EventQueue
 from server.connection import PerClient
 

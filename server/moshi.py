@@ -4,12 +4,14 @@ connects with none: duplex, Ogg/Opus)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import sphn
 from websockets.datastructures import Headers
 
-from codec.tokenizer import SAMPLE_RATE
-from s2s import Engine, SamplingParams
+from codec.pcm import SAMPLE_RATE
+from s2s import SamplingParams
 from server import protocol
 from server.connection import Audio, Connection, EndTurn, Opener, Stream
 from server.ogg_opus import OggOpusWriter
@@ -17,6 +19,9 @@ from server.protocol import BLOCK, Control, Kind, ProtocolError, StreamError
 from server.session import EngineSession
 from server.turn_metrics import TurnMetrics
 from server.vad import VadConfig
+
+if TYPE_CHECKING:
+    from s2s import Engine
 
 STREAM_CONTROLS = {Control.START: "start", Control.PAUSE: "pause", Control.RESTART: "restart"}
 

@@ -15,12 +15,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 from websockets.exceptions import ConnectionClosed
 
-from s2s import AudioEvent, Engine, MetaEvent, SamplingParams
+from s2s import AudioEvent, MetaEvent, SamplingParams
 from server.connection import Connection
 from server.turn_metrics import TurnMetrics
 from server.vad import VadConfig
 
 if TYPE_CHECKING:
+    from s2s import Engine
     from s2s.events import CodesEvent, EventQueue
 
 

@@ -225,3 +225,12 @@ def test_serve_refuses_a_negative_front_end_count() -> None:
         [sys.executable, "-m", "server.cli", "serve", "--frontends", "-1"], capture_output=True, text=True
     )
     assert out.returncode != 0 and "--frontends must be 0 or more" in out.stderr
+
+
+def test_a_front_end_imports_neither_the_engine_nor_the_codec() -> None:
+    """A front end moves audio and events: importing what it runs (`run_frontend`'s module, as `spawn` does) leaves
+    out the engine, the model, the codec and transformers, which would cost it seconds to start and ~200 MB each."""
+    heavy = ["s2s.engine", "s2s.model", "codec.tokenizer", "codec.streaming", "transformers"]
+    check = f"import sys, server.frontends; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -19,7 +19,7 @@ from test_server import run_with_server, speech
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from codec.tokenizer import SAMPLE_RATE
+from codec.pcm import SAMPLE_RATE
 from server import protocol
 from server.app import ServerOptions
 from server.cli import add_server_args, server_options

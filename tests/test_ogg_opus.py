@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import sphn
 
-from codec.tokenizer import SAMPLE_RATE
+from codec.pcm import SAMPLE_RATE
 from server.ogg_opus import OggOpusWriter, ogg_crc, ogg_page
 
 

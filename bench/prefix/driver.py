@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from bench.prefix.engine_reads import pages_held, session_ids
-from codec.tokenizer import SAMPLE_RATE
+from codec.pcm import SAMPLE_RATE
 from s2s.engine import AudioEvent, Engine, MetaEvent, Refused
 from server.client import BLOCK  # user audio in 80 ms blocks when streamed
 

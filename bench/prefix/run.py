@@ -15,7 +15,7 @@ from bench.prefix.driver import Driver, Script
 from bench.prefix.engine_reads import EngineCounters, counters
 from bench.prefix.workloads import Workload, shared_scripts
 from codec import EncodecTokenizer
-from codec.tokenizer import SAMPLE_RATE
+from codec.pcm import SAMPLE_RATE
 from s2s import ModelConfig, S2SModel
 from s2s.engine import Engine, EngineConfig
 from server.speech import synthesize

@@ -17,7 +17,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from bench.soak.plans import Plan
-from codec.tokenizer import SAMPLE_RATE
+from codec.pcm import SAMPLE_RATE
 from server import protocol
 from server.client import refusal_of
 from server.protocol import BLOCK, Control, Kind, metadata_of

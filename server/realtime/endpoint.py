@@ -5,15 +5,19 @@ the upgrade: `Authorization: Bearer TOKEN`, as the SDKs send it."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from websockets.datastructures import Headers
 
-from s2s import Engine
 from server.connection import Connection, Opener
 from server.protocol import ProtocolError
 from server.realtime.session import RealtimeSession
 from server.realtime.wire import RealtimeWire
 from server.turn_metrics import TurnMetrics
 from server.vad import VadConfig
+
+if TYPE_CHECKING:
+    from s2s import Engine
 
 DEFAULT_MODEL = "s2s"  # the model name shown when the client names none
 

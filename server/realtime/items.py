@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass
 
-from codec.tokenizer import SAMPLE_RATE
+from codec.pcm import SAMPLE_RATE
 
 
 def new_id(prefix: str) -> str:

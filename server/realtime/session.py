@@ -17,12 +17,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 from websockets.exceptions import ConnectionClosed
 
-from codec.tokenizer import FRAME_SIZE, SAMPLE_RATE
-from s2s import AudioEvent, Engine, MetaEvent, Refused
+from codec.pcm import FRAME_SIZE, SAMPLE_RATE
+from s2s import AudioEvent, MetaEvent, Refused
 from server.connection import Connection, Request
 from server.protocol import ProtocolError
 from server.realtime.config import SessionConfig
@@ -31,6 +32,9 @@ from server.realtime.wire import GA_ONLY, RealtimeWire
 from server.session import events
 from server.turn_metrics import TurnMetrics
 from server.vad import VadConfig
+
+if TYPE_CHECKING:
+    from s2s import Engine
 
 MIN_COMMIT_MS = 100  # OpenAI's: a commit of less is an error
 RESPONSE_FIELDS = {"metadata", "output_modalities", "modalities", "instructions", "conversation", "voice"}

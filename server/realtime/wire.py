@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from codec.tokenizer import SAMPLE_RATE
+from codec.pcm import SAMPLE_RATE
 from server.connection import Audio, Request
 from server.protocol import ProtocolError
 
