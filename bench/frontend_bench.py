@@ -13,7 +13,11 @@ thread's time is the front end's (duplex runs no VAD) and the rest (the engine t
 engine's. Per level: CPU seconds per stream-second of each, and the streams one core of front-end time carries (1 /
 the first), over the whole level (connections opened and closed, the half second each listens after its speech) and
 in its steady state: from a second after the last client started to half a second before the first one's speech
-ends, when all N stream both ways (what a front end costs per conversation that lasts minutes).
+ends, when all N stream both ways (what a front end costs per conversation that lasts minutes). `tail_s`: how long
+the level ran past the last client's speech, about a second when the engine keeps up (the echo's delay, then the
+client listens); more when its replies fall behind the speech, and then less reply audio flows in the steady window
+than in real time, so the steady figure overstates what a front end carries. Each server's start (to its "serving"
+line) and resident sizes before its first stream (the engine's process, and the largest front end's) go in its rows.
 """
 
 from __future__ import annotations
@@ -62,6 +66,12 @@ def frontend_pids(pid: int) -> list[int]:
     return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
+def rss_mb(pid: int) -> float:
+    """The process's resident set (VmRSS), in MB."""
+    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
 def cpu_split(pid: int, frontends: list[int]) -> tuple[float, float]:
     """CPU seconds so far: the front end's and the engine's."""
     if frontends:
@@ -86,8 +96,8 @@ async def measure(url: str, pid: int, pcms: list, pool: ProcessPoolExecutor, wor
     wall = time.monotonic() - start
     front_after, engine_after = cpu_split(pid, frontends)
     front, engine = front_after - front_before, engine_after - engine_before
-    steady_front = steady_cpu / (len(pcms) * (steady[1] - steady[0]))
     served = [d for d in done if d["refusal"] is None]
+    steady_front = steady_cpu / (len(served) * (steady[1] - steady[0])) if served else float("nan")
     stream_s = sum(len(p) for p, d in zip(pcms, done, strict=True) if d["refusal"] is None) / SAMPLE_RATE
     return {
         "frontends": len(frontends),
@@ -95,6 +105,7 @@ async def measure(url: str, pid: int, pcms: list, pool: ProcessPoolExecutor, wor
         "served": len(served),
         "stream_seconds": stream_s,
         "wall_s": wall,
+        "tail_s": wall - (starts[-1] - start) - max(len(p) for p in pcms) / SAMPLE_RATE,
         "frontend_cpu_s_per_stream_s": front / stream_s if stream_s else float("nan"),
         "engine_cpu_s_per_stream_s": engine / stream_s if stream_s else float("nan"),
         "streams_per_frontend_core": stream_s / front if front else float("nan"),
@@ -136,11 +147,16 @@ def main() -> None:
     rows, env = [], environment()
     with pool:
         for frontends in [int(x) for x in args.frontends.split(",")]:
-            server = ServerProcess(*serve_args, "--frontends", str(frontends))
+            server, started = ServerProcess(*serve_args, "--frontends", str(frontends)), time.monotonic()
             with server as url:
+                idle = {  # before any stream: the server's own start and size
+                    "start_s": time.monotonic() - started,
+                    "server_rss_mb": rss_mb(server.proc.pid),
+                    "frontend_rss_mb": max((rss_mb(f) for f in frontend_pids(server.proc.pid)), default=float("nan")),
+                }
                 for n in levels:
                     row = asyncio.run(measure(url, server.proc.pid, pcm[:n], pool, args.client_procs))
-                    rows.append({"bench": "frontend", "codec": "opus", "mode": "duplex", **row, **env})
+                    rows.append({"bench": "frontend", "codec": "opus", "mode": "duplex", **row, **idle, **env})
                     print(rows[-1], flush=True)
                     write_json(args.json, rows)
     columns = [
@@ -153,6 +169,9 @@ def main() -> None:
         ("streams_per_frontend_core", "streams per front-end core"),
         ("steady_frontend_cpu_s_per_stream_s", "steady: front-end CPU s per stream s"),
         ("steady_streams_per_frontend_core", "steady: streams per front-end core"),
+        ("tail_s", "tail s"),
+        ("start_s", "server start s"),
+        ("frontend_rss_mb", "front-end RSS MB"),
         ("reply_audio_s", "reply audio s"),
     ]
     tables = print_table("The server's front end per duplex Ogg/Opus stream", rows, columns)

@@ -8,9 +8,11 @@ A step's place in its pages (`positions`: where attention and the slots count fr
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -23,9 +25,7 @@ class PagedBatch:
     cu_seqlens_q: torch.Tensor  # [S + 1] offsets of each sequence's new tokens
     seqlens_k: torch.Tensor  # [S] cached + new steps
     page_size: int
-    cached_lens: list[int]
     new_lens: list[int]
-    pages: list[list[int]]
 
     @classmethod
     def build(
@@ -46,8 +46,7 @@ class PagedBatch:
                 raise ValueError(f"each sequence needs >= 1 new step and >= 0 cached ones, got {new} and {cached}")
             if len(table) * page_size < cached + new:
                 raise ValueError(f"{len(table)} pages of {page_size} cannot hold {cached + new} steps")
-        width = max(len(t) for t in pages)
-        table = torch.tensor([list(t) + [0] * (width - len(t)) for t in pages], dtype=torch.int32)
+        table = torch.from_numpy(page_table(pages))
         new_t = torch.tensor(list(new_lens))
         cu = torch.zeros(len(pages) + 1, dtype=torch.int32)
         cu[1:] = new_t.cumsum(0)
@@ -63,9 +62,7 @@ class PagedBatch:
             cu_seqlens_q=cu.to(device),
             seqlens_k=torch.tensor([c + n for c, n in zip(cached_lens, new_lens, strict=True)], device=device),
             page_size=page_size,
-            cached_lens=list(cached_lens),
             new_lens=list(new_lens),
-            pages=[list(t) for t in pages],
         )
 
     @property
@@ -85,7 +82,15 @@ class PagedBatch:
             cu_seqlens_q=torch.arange(len(seqs) + 1, dtype=self.cu_seqlens_q.dtype, device=self.positions.device),
             seqlens_k=self.positions + 1,
             page_size=self.page_size,
-            cached_lens=self.positions.tolist(),
             new_lens=[1] * len(seqs),
-            pages=[self.pages[s] for s in seqs],
         )
+
+
+def page_table(pages: Sequence[Sequence[int]], rows: int | None = None) -> np.ndarray:
+    """The sequences' page lists as one `[rows, longest]` int32 table (`rows` defaults to one per list), zeros past
+    each list's end: filled through one flat array, not row by row (hundreds of rows a round)."""
+    lengths = np.fromiter(map(len, pages), dtype=np.int64, count=len(pages))
+    table = np.zeros((len(pages) if rows is None else rows, int(lengths.max(initial=0))), dtype=np.int32)
+    flat = np.fromiter(itertools.chain.from_iterable(pages), dtype=np.int32, count=int(lengths.sum()))
+    table[: len(pages)][np.arange(table.shape[1]) < lengths[:, None]] = flat
+    return table

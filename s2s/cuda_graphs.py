@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from s2s.batch import PagedBatch
+from s2s.batch import PagedBatch, page_table
 from s2s.model import S2SModel
 
 
@@ -75,9 +75,7 @@ class DecodeGraphs:
             cu_seqlens_q=self.cu_seqlens_q[: size + 1],
             seqlens_k=self.seqlens_k[:size],
             page_size=self.page_size,
-            cached_lens=[],
             new_lens=[],
-            pages=[],
         )
 
     def _step(self, size: int) -> torch.Tensor:
@@ -135,9 +133,7 @@ class DecodeGraphs:
         pos = np.asarray(cached_lens, dtype=np.int64)
         # only the columns this round reads: the kernel never looks past a sequence's length, so what earlier rounds
         # left further right is never read
-        table = np.zeros((size, max(map(len, pages))), dtype=np.int32)
-        for s, p in enumerate(pages):
-            table[s, : len(p)] = p
+        table = page_table(pages, size)
         slots = np.full(size, -1, dtype=np.int64)
         slots[:n] = table[np.arange(n), pos // self.page_size].astype(np.int64) * self.page_size + pos % self.page_size
         seqlens = np.ones(size, dtype=np.int64)

@@ -57,9 +57,7 @@ class ModelRunner:
                 cu_seqlens_q=torch.tensor([0, steps], dtype=torch.int32, device=self.device),
                 seqlens_k=torch.tensor([steps], device=self.device),
                 page_size=ps,
-                cached_lens=[0],
                 new_lens=[steps],
-                pages=[[0] * -(-steps // ps)],
             )
             tokens = torch.zeros(steps, cfg.step_width, dtype=torch.long, device=self.device)
             self.model.forward_paged(tokens, batch, self.pool.k, self.pool.v)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from s2s import ModelConfig, PagedBatch, S2SModel, SamplingParams, sample
+from s2s.batch import page_table
 from s2s.sampling import RandomStream, _top_k, _top_k_top_p
 
 
@@ -119,6 +120,15 @@ def test_paged_forward_equals_reference(lengths, page_size, window, seed) -> Non
         for j, (s, toks, cached) in enumerate(todo):
             pos[s] = cached + len(toks)
             assert (out.logits[j] - ref[s][pos[s] - 1]).abs().max() <= 1e-4, (s, pos[s])
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=6), min_size=1, max_size=8), st.integers(0, 3))
+def test_page_table_pads_each_list_with_zeros(pages: list[list[int]], extra_rows: int) -> None:
+    table = page_table(pages, len(pages) + extra_rows)
+    width = max(map(len, pages))
+    assert table.dtype.name == "int32" and table.shape == (len(pages) + extra_rows, width)
+    assert table.tolist() == [p + [0] * (width - len(p)) for p in pages] + [[0] * width] * extra_rows
 
 
 def test_sliding_window_never_reads_pages_behind_it() -> None:
