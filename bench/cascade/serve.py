@@ -9,15 +9,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 
-from bench.cascade.server import CascadeServer
-from bench.cascade.text import text_engine_for
-from server.cli import add_server_args, engine_of, placement_of, serve_until_sigterm, server_options
+from server.cli import add_server_args
 
 MODULE = "bench.cascade.serve"
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    options = server_options(args)
+    from server.cli import engine_of, placement_of, serve_until_sigterm, server_options
+
+    options = server_options(args)  # a bad one exits before the engines' imports
+    # imported here, not above: the speech-to-text workers are spawned, and a spawned process imports its parent's
+    # main module (this one) first, which would cost each of them the engine's imports (seconds) for nothing
+    from bench.cascade.server import CascadeServer
+    from bench.cascade.text import text_engine_for
+
     speech, _ = engine_of(args)  # first: it sets the torch threads both engines calibrate with
     device, dtype = placement_of(args)
     text = text_engine_for(
