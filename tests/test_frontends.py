@@ -83,14 +83,19 @@ def test_conversations_through_two_front_ends_are_heard_and_counted_once() -> No
 
 def test_admission_and_the_per_client_limit_hold_across_front_ends() -> None:
     """The engine's maximum and one client's limit are the whole server's, whichever front end a connection
-    reaches: with a maximum of 3, the fourth is refused (503) and counted once; with a per-client limit of 2, a
-    client's third is refused (429) while its two are open."""
+    reaches. With a maximum of 3 and a per-client limit of 2 (clients told apart by X-Forwarded-For from a trusted
+    proxy): a client's third is refused (429) while its two are open; a second client's one makes 3, and a third
+    client is refused (503), counted once; once the first client's two close, it is served again."""
+    chat = "/api/chat?mode=duplex&codec=pcm16"
 
-    async def hold(url: str, n: int, stop: asyncio.Event) -> list:
+    def as_client(ip: str) -> dict:
+        return {"additional_headers": {"X-Forwarded-For": ip}}
+
+    async def hold(url: str, ip: str, n: int, stop: asyncio.Event) -> list:
         opened, ready = [], asyncio.Event()
 
         async def one():
-            async with connect(f"{url}/api/chat?mode=duplex&codec=pcm16") as ws:
+            async with connect(url + chat, **as_client(ip)) as ws:
                 await ws.recv()  # the handshake
                 opened.append(ws)
                 if len(opened) == n:
@@ -101,28 +106,40 @@ def test_admission_and_the_per_client_limit_hold_across_front_ends() -> None:
         await asyncio.wait_for(ready.wait(), 60)
         return tasks
 
-    async def refused_after(url: str, n: int) -> str:
-        stop = asyncio.Event()
-        tasks = await hold(url, n, stop)
+    async def refusal(url: str, ip: str) -> str:
+        with pytest.raises(InvalidStatus) as refused:
+            async with connect(url + chat, **as_client(ip)):
+                pass
+        return f"{refused.value.response.status_code} {refusal_of(refused.value)}"
+
+    async def scenario(url: str) -> tuple[str, str]:
+        first, second = asyncio.Event(), asyncio.Event()
+        held = await hold(url, "10.0.0.1", 2, first)
         try:
-            with pytest.raises(InvalidStatus) as refused:
-                async with connect(f"{url}/api/chat?mode=duplex&codec=pcm16"):
-                    pass
-            return f"{refused.value.response.status_code} {refusal_of(refused.value)}"
+            per_client = await refusal(url, "10.0.0.1")
+            held += await hold(url, "10.0.0.2", 1, second)
+            engine_full = await refusal(url, "10.0.0.3")
         finally:
+            first.set()
+            second.set()
+            await asyncio.gather(*held)
+        return per_client, engine_full
+
+    limits = ["--max-conversations", "3", "--max-conversations-per-client", "2", "--forwarded-allow-ips", "127.0.0.1"]
+    with ServerProcess(*TINY, "--frontends", "2", *limits) as url:
+        per_client, engine_full = asyncio.run(scenario(url))
+        assert per_client.startswith("429 refused: this client has 2 conversations open"), per_client
+        assert engine_full.startswith("503 refused: the engine holds its maximum of 3"), engine_full
+        time.sleep(0.5)  # the closes reach the core; a snapshot newer than the refusal (it sends one every 0.1 s)
+        assert {metric(text, "s2s_refused_total") for _, text in every_frontend(url, "/metrics")} == {1}
+
+        async def again() -> None:  # the first client's two were given back (hold raises on a refusal)
+            stop = asyncio.Event()
+            tasks = await hold(url, "10.0.0.1", 2, stop)
             stop.set()
             await asyncio.gather(*tasks)
 
-    with ServerProcess(*TINY, "--frontends", "2", "--max-conversations", "3") as url:
-        said = asyncio.run(refused_after(url, 3))
-        assert said.startswith("503 refused: the engine holds its maximum of 3"), said
-        time.sleep(0.5)  # a snapshot newer than the refusal (the core sends one every 0.1 s)
-        assert {metric(text, "s2s_refused_total") for _, text in every_frontend(url, "/metrics")} == {1}
-    with ServerProcess(*TINY, "--frontends", "2", "--max-conversations-per-client", "2") as url:
-        said = asyncio.run(refused_after(url, 2))
-        assert said.startswith("429 refused: this client has 2 conversations open"), said
-        time.sleep(0.5)  # the closes reach the core
-        assert asyncio.run(talk(url, speech(0.3), mode="duplex", codec="pcm16")).handshake  # given back
+        asyncio.run(again())
 
 
 def test_sigusr1_drains_every_front_end_and_a_dead_front_end_stops_the_server() -> None:
