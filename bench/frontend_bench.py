@@ -14,7 +14,7 @@ engine's. Per level: CPU seconds per stream-second of each, and the streams one 
 the first), over the whole level (connections opened and closed, the half second each listens after its speech) and
 in its steady state: from a second after the last client started to half a second before the first one's speech
 ends, when all N stream both ways (what a front end costs per conversation that lasts minutes). `tail_s`: how long
-the level ran past the last client's speech, about a second when the engine keeps up (the echo's delay, then the
+the level ran past the last client's speech, under 1.5 s when the engine keeps up (the echo's delay, then the
 client listens); more when its replies fall behind the speech, and then less reply audio flows in the steady window
 than in real time, so the steady figure overstates what a front end carries. Each server's start (to its "serving"
 line) and resident sizes before its first stream (the engine's process, and the largest front end's) go in its rows.
@@ -171,6 +171,7 @@ def main() -> None:
         ("steady_streams_per_frontend_core", "steady: streams per front-end core"),
         ("tail_s", "tail s"),
         ("start_s", "server start s"),
+        ("server_rss_mb", "server RSS MB"),
         ("frontend_rss_mb", "front-end RSS MB"),
         ("reply_audio_s", "reply audio s"),
     ]

@@ -89,8 +89,11 @@ class PagedBatch:
 def page_table(pages: Sequence[Sequence[int]], rows: int | None = None) -> np.ndarray:
     """The sequences' page lists as one `[rows, longest]` int32 table (`rows` defaults to one per list), zeros past
     each list's end: filled through one flat array, not row by row (hundreds of rows a round)."""
+    rows = len(pages) if rows is None else rows
+    if rows < len(pages):
+        raise ValueError(f"{len(pages)} page lists do not fit in {rows} rows")
     lengths = np.fromiter(map(len, pages), dtype=np.int64, count=len(pages))
-    table = np.zeros((len(pages) if rows is None else rows, int(lengths.max(initial=0))), dtype=np.int32)
+    table = np.zeros((rows, int(lengths.max(initial=0))), dtype=np.int32)
     flat = np.fromiter(itertools.chain.from_iterable(pages), dtype=np.int32, count=int(lengths.sum()))
     table[: len(pages)][np.arange(table.shape[1]) < lengths[:, None]] = flat
     return table

@@ -20,26 +20,27 @@ WARMUP_FRAMES = 16
 
 def calibrate(engine: Engine) -> None:
     """Seed `engine.cost` from ticks on 1, 2 and 4 sessions, each bringing a tick's worth of frames as in service;
-    then forget the sessions and the stats. The first pass only warms up (kernel builds, allocators): it measures
-    nothing."""
+    then forget the sessions and the stats. The first pass only warms up (kernel builds, allocators, a page
+    crossing)."""
     cfg = engine.cfg
     frames = cfg.frames_per_tick
     silence = np.zeros(320 * frames, dtype=np.float32)
     zeros = np.zeros((engine.model.config.num_codebooks, frames), dtype=np.int64)
-    warmup = math.ceil(WARMUP_FRAMES / frames)
-    for n, measured in ((1, 0), (1, cfg.calibration_ticks), (2, cfg.calibration_ticks), (4, cfg.calibration_ticks)):
+    warmup, ticks = math.ceil(WARMUP_FRAMES / frames), cfg.calibration_ticks
+    # the first pass measures nothing: twice the warm-up, so that its frames cross into a second page too
+    for n, unmeasured, measured in ((1, 2 * warmup, 0), (1, warmup, ticks), (2, warmup, ticks), (4, warmup, ticks)):
         if n > cfg.max_conversations or not cfg.calibration_ticks:
             break
         cids = [engine.open("duplex", sampling=SamplingParams(seed=i), admit=False) for i in range(n)]
         kept = len(engine.cost.samples)
-        for tick in range(warmup + measured):
+        for tick in range(unmeasured + measured):
             for cid in cids:
                 if engine.tok is None:
                     engine.push_codes(cid, zeros)
                 else:
                     engine.push_audio(cid, silence)
             engine.step()
-            if tick < warmup:
+            if tick < unmeasured:
                 engine.cost.forget_after(kept)
         for cid in cids:
             engine.discard(cid)

@@ -30,7 +30,7 @@ if ! $py -c "import torch" 2>/dev/null; then
     fi
 fi
 $py -m pip install -q -e '.[dev,bench]' 2>&1 | grep -v "^WARNING: Location" || true
-$py -c "import codec, s2s" # fails loudly if the install did not take
+$py -c "from codec import EncodecTokenizer; from s2s import Engine" # fails loudly if the install did not take
 # Without CUDA, compile the C++ CPU attention kernel now (about a minute, once per .venv), not in the first model step: an engine
 # stalled on the compiler answers nobody, and a test or the demo waiting on it would time out.
 $py -c "import torch; from kernels import cpu_attention; torch.cuda.is_available() or cpu_attention.available()"

@@ -129,6 +129,8 @@ def test_page_table_pads_each_list_with_zeros(pages: list[list[int]], extra_rows
     width = max(map(len, pages))
     assert table.dtype.name == "int32" and table.shape == (len(pages) + extra_rows, width)
     assert table.tolist() == [p + [0] * (width - len(p)) for p in pages] + [[0] * width] * extra_rows
+    with pytest.raises(ValueError, match="do not fit"):
+        page_table(pages, len(pages) - 1)
 
 
 def test_sliding_window_never_reads_pages_behind_it() -> None:
