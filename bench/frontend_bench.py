@@ -23,6 +23,7 @@ line) and resident sizes before its first stream (the engine's process, and the 
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -34,7 +35,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from bench.common import environment, parser, print_table, save_outputs, write_json
-from bench.concurrency_bench import client_pool, dealt, utterances
+from bench.concurrency_bench import client_pool, dealt, rss_bytes, utterances
 from codec.pcm import SAMPLE_RATE
 from s2s.weights import shipped
 from server.process import ServerProcess
@@ -64,12 +65,6 @@ def frontend_pids(pid: int) -> list[int]:
     """The front-end processes `s2s serve --frontends` spawned (not multiprocessing's resource tracker)."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-
-
-def rss_mb(pid: int) -> float:
-    """The process's resident set (VmRSS), in MB."""
-    line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
-    return int(line.split()[1]) / 1024
 
 
 def cpu_split(pid: int, frontends: list[int]) -> tuple[float, float]:
@@ -151,8 +146,8 @@ def main() -> None:
             with server as url:
                 idle = {  # before any stream: the server's own start and size
                     "start_s": time.monotonic() - started,
-                    "server_rss_mb": rss_mb(server.proc.pid),
-                    "frontend_rss_mb": max((rss_mb(f) for f in frontend_pids(server.proc.pid)), default=float("nan")),
+                    "server_rss_mb": rss_bytes(server.proc.pid) / 2**20,
+                    "frontend_rss_mb": max(map(rss_bytes, frontend_pids(server.proc.pid)), default=math.nan) / 2**20,
                 }
                 for n in levels:
                     row = asyncio.run(measure(url, server.proc.pid, pcm[:n], pool, args.client_procs))
