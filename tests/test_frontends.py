@@ -258,3 +258,17 @@ def test_a_front_end_imports_neither_the_engine_nor_the_codec() -> None:
     check = f"import sys; {imports}; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_lazy_packages_name_every_export() -> None:
+    """`s2s` and `codec` resolve each name of their `__all__` on first use, and name no other."""
+    import codec
+    import s2s
+
+    for package, eager in ((s2s, {"placement"}), (codec, set())):
+        assert set(package.__all__) == set(package._HOMES) | eager
+        for name in package.__all__:
+            value = getattr(package, name)
+            assert name == "BANDWIDTHS" or value.__name__ == name
+        with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+            package.nothing  # noqa: B018
