@@ -348,7 +348,7 @@ async def serve_until_sigterm(server: ChatServer, note: Callable[[], str] | None
 
 
 def serve(args: argparse.Namespace) -> None:
-    import asyncio
+    import uvloop
 
     from server.app import ChatServer
     from server.frontends import default_frontends, serve_with_frontends
@@ -360,7 +360,7 @@ def serve(args: argparse.Namespace) -> None:
     engine = engine_of(args)[0]
     if frontends:
         sys.exit(serve_with_frontends(engine, options, frontends))
-    asyncio.run(serve_until_sigterm(ChatServer(engine, options)))
+    uvloop.run(serve_until_sigterm(ChatServer(engine, options)))
 
 
 def client(args: argparse.Namespace) -> None:
