@@ -7,7 +7,8 @@ with the same reply length and conversation limit.
 from __future__ import annotations
 
 import argparse
-import asyncio
+
+import uvloop
 
 from server.cli import add_server_args
 
@@ -48,7 +49,7 @@ async def _serve(args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog=f"python -m {MODULE}", description="Serve the STT -> LLM -> TTS cascade")
     add_server_args(p)
-    asyncio.run(_serve(p.parse_args(argv)))
+    uvloop.run(_serve(p.parse_args(argv)))  # the event loop `s2s serve` runs: the baseline at its best
 
 
 if __name__ == "__main__":
