@@ -47,7 +47,8 @@ class TransformersRunner(ModelRunner):
         self.llama.config._attn_implementation = "sdpa"
         self.llama.load_state_dict(model.backbone.state_dict(), strict=False)
 
-    def forward(self, work) -> torch.Tensor:
+    def forward(self, work, lane=None) -> torch.Tensor:
+        assert lane is None, "the transformers loop steps every conversation as its own work"
         logits = []
         for w in work:
             s = w.session
@@ -66,6 +67,7 @@ class TransformersLoop(Engine):
     """The same engine with its model step replaced by a per-conversation transformers loop."""
 
     runner_class = TransformersRunner
+    duplex_lane = False
 
 
 SYSTEMS = ("engine", "engine, deterministic", "transformers loop")

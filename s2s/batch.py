@@ -41,28 +41,47 @@ class PagedBatch:
         `shifts[s]` (default 0) is added to sequence s's positions for RoPE."""
         if not (len(cached_lens) == len(new_lens) == len(pages)) or not pages:
             raise ValueError("cached_lens, new_lens and pages must be non-empty and of equal length")
-        for cached, new, table in zip(cached_lens, new_lens, pages, strict=True):
-            if new < 1 or cached < 0:
-                raise ValueError(f"each sequence needs >= 1 new step and >= 0 cached ones, got {new} and {cached}")
-            if len(table) * page_size < cached + new:
-                raise ValueError(f"{len(table)} pages of {page_size} cannot hold {cached + new} steps")
-        table = torch.from_numpy(page_table(pages))
-        new_t = torch.tensor(list(new_lens))
-        cu = torch.zeros(len(pages) + 1, dtype=torch.int32)
+        lengths = np.fromiter(map(len, pages), dtype=np.int64, count=len(pages))
+        return cls.from_table(cached_lens, new_lens, page_table(pages), lengths, page_size, device, shifts)
+
+    @classmethod
+    def from_table(
+        cls,
+        cached_lens: Sequence[int] | np.ndarray,
+        new_lens: Sequence[int] | np.ndarray,
+        table: np.ndarray,
+        lengths: np.ndarray,
+        page_size: int,
+        device: str | torch.device = "cpu",
+        shifts: Sequence[int] | np.ndarray | None = None,
+    ) -> PagedBatch:
+        """`build` from a `page_table` and each row's page count, checked as whole arrays (hundreds of rows)."""
+        cached, new = np.asarray(cached_lens, dtype=np.int64), np.asarray(new_lens, dtype=np.int64)
+        if not (len(cached) == len(new) == len(table) == len(lengths)) or not len(new):
+            raise ValueError("cached_lens, new_lens, table and lengths must be non-empty and of equal length")
+        if (new < 1).any() or (cached < 0).any():
+            raise ValueError(f"each sequence needs >= 1 new step and >= 0 cached ones, got {new} and {cached}")
+        if (short := np.flatnonzero(lengths * page_size < cached + new)).size:
+            s = int(short[0])
+            raise ValueError(f"{lengths[s]} pages of {page_size} cannot hold {cached[s] + new[s]} steps")
+        table_t = torch.from_numpy(table)
+        new_t = torch.from_numpy(new)
+        cu = torch.zeros(len(new) + 1, dtype=torch.int32)
         cu[1:] = new_t.cumsum(0)
-        seq = torch.repeat_interleave(torch.arange(len(pages)), new_t)
-        positions = torch.arange(int(cu[-1])) - cu[:-1].long()[seq] + torch.tensor(list(cached_lens))[seq]
-        rope = positions + torch.tensor(list(shifts or [0] * len(pages)), dtype=torch.long)[seq]
-        slots = table[seq, positions // page_size].long() * page_size + positions % page_size
+        seq = torch.repeat_interleave(torch.arange(len(new)), new_t)
+        positions = torch.arange(int(cu[-1])) - cu[:-1].long()[seq] + torch.from_numpy(cached)[seq]
+        shift = torch.zeros(len(new), dtype=torch.long) if shifts is None else torch.as_tensor(shifts).long()
+        rope = positions + shift[seq]
+        slots = table_t[seq, positions // page_size].long() * page_size + positions % page_size
         return cls(
             positions=positions.to(device),
             rope_positions=rope.to(device),
             slot_mapping=slots.to(device),
-            page_table=table.to(device),
+            page_table=table_t.to(device),
             cu_seqlens_q=cu.to(device),
-            seqlens_k=torch.tensor([c + n for c, n in zip(cached_lens, new_lens, strict=True)], device=device),
+            seqlens_k=torch.from_numpy(cached + new).to(device),
             page_size=page_size,
-            new_lens=list(new_lens),
+            new_lens=new.tolist(),
         )
 
     @property
@@ -96,4 +115,12 @@ def page_table(pages: Sequence[Sequence[int]], rows: int | None = None) -> np.nd
     table = np.zeros((rows, int(lengths.max(initial=0))), dtype=np.int32)
     flat = np.fromiter(itertools.chain.from_iterable(pages), dtype=np.int32, count=int(lengths.sum()))
     table[: len(pages)][np.arange(table.shape[1]) < lengths[:, None]] = flat
+    return table
+
+
+def stack_tables(top: np.ndarray, bottom: np.ndarray) -> np.ndarray:
+    """Two page tables as one, `top`'s rows first; the narrower is padded with zeros."""
+    table = np.zeros((len(top) + len(bottom), max(top.shape[1], bottom.shape[1])), dtype=np.int32)
+    table[: len(top), : top.shape[1]] = top
+    table[len(top) :, : bottom.shape[1]] = bottom
     return table

@@ -14,12 +14,10 @@ the graph embeds through `embed_checked`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import torch
 
-from s2s.batch import PagedBatch, page_table
+from s2s.batch import PagedBatch, stack_tables
 from s2s.model import S2SModel
 
 
@@ -105,35 +103,35 @@ class DecodeGraphs:
                 self.graphs[size] = graph
             torch.cuda.synchronize(device)
 
-    def fits(self, num_seqs: int, pages: Sequence[Sequence[int]]) -> bool:
-        return num_seqs <= self.sizes[-1] and all(len(p) <= self.max_pages for p in pages)
+    def fits(self, num_seqs: int, table: np.ndarray) -> bool:
+        return num_seqs <= self.sizes[-1] and table.shape[1] <= self.max_pages
 
     def run(
         self,
         tokens: np.ndarray,
-        cached_lens: Sequence[int],
-        pages: Sequence[Sequence[int]],
-        shifts: Sequence[int] | None = None,
+        cached_lens: np.ndarray,
+        table: np.ndarray,
+        lengths: np.ndarray,
+        shifts: np.ndarray | None = None,
     ) -> torch.Tensor:
         """One decode round: `tokens[s]` `[2K]` is sequence s's new step, written at position `cached_lens[s]` of
-        its `pages`, at position `cached_lens[s] + shifts[s]` for RoPE (`PagedBatch`). Returns the logits
-        `[S, K, vocab]` (a copy: the graph's output buffer is reused)."""
+        its pages (`table[s]`, `lengths[s]` of them: `page_table`), at position `cached_lens[s] + shifts[s]` for
+        RoPE (`PagedBatch`). Returns the logits `[S, K, vocab]` (a copy: the graph's output buffer is reused)."""
         n = len(cached_lens)
         vocab = self.model.config.vocab_size
         if tokens.shape != (n, self.model.config.step_width):
             raise ValueError(f"need [{n}, {self.model.config.step_width}] step tokens, got {list(tokens.shape)}")
         if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
             raise ValueError(f"step tokens must lie in [0, {vocab})")
-        if not self.fits(n, pages):
-            raise ValueError(f"{n} sequences or {max(map(len, pages))} pages exceed the captured buffers")
-        short = [s for s, (c, p) in enumerate(zip(cached_lens, pages, strict=True)) if len(p) * self.page_size <= c]
-        if short:
-            raise ValueError(f"sequences {short} have no page for their new step")
-        size = next(s for s in self.sizes if s >= n)
+        if not self.fits(n, table):
+            raise ValueError(f"{n} sequences or {table.shape[1]} pages exceed the captured buffers")
         pos = np.asarray(cached_lens, dtype=np.int64)
+        if (short := np.flatnonzero(np.asarray(lengths) * self.page_size <= pos)).size:
+            raise ValueError(f"sequences {short.tolist()} have no page for their new step")
+        size = next(s for s in self.sizes if s >= n)
         # only the columns this round reads: the kernel never looks past a sequence's length, so what earlier rounds
         # left further right is never read
-        table = page_table(pages, size)
+        table = stack_tables(table, np.zeros((size - n, 0), dtype=np.int32))
         slots = np.full(size, -1, dtype=np.int64)
         slots[:n] = table[np.arange(n), pos // self.page_size].astype(np.int64) * self.page_size + pos % self.page_size
         seqlens = np.ones(size, dtype=np.int64)

@@ -31,6 +31,7 @@ from s2s.audio_io import AudioIO
 from s2s.calibration import calibrate
 from s2s.config import FRAME_S, EngineConfig
 from s2s.context import ContextBound
+from s2s.duplex_lane import DuplexLane, LaneRound
 from s2s.events import AudioEvent, CodesEvent, EventQueue, MetaEvent
 from s2s.kv_manager import KVManager
 from s2s.metrics import CostModel, EngineSnapshot, EngineStats
@@ -49,6 +50,7 @@ __all__ = ["FRAME_S", "AudioEvent", "CodesEvent", "Engine", "EngineConfig", "Eng
 
 class Engine:
     runner_class: type[ModelRunner] = ModelRunner  # what computes a round (`s2s bench engine` swaps in a baseline)
+    duplex_lane = True  # steady duplex conversations step as rows of arrays (`DuplexLane`); False: all as `Work`
 
     def __init__(
         self,
@@ -87,6 +89,7 @@ class Engine:
         )
         page_size = cfg.page_size if self.cache.shares_prefixes else None
         self.scheduler = Scheduler(cfg.prefill_budget, cfg.background_budget, page_size)
+        self.lane = DuplexLane(mcfg.delays, self.bound, cfg.frames_per_tick if self.duplex_lane else 0)
         self.cost = CostModel()
         self.admission = Admission(
             self.cost, cfg.max_conversations, self.kv.capacity, cfg.frames_per_tick, cfg.admission_headroom
@@ -257,19 +260,22 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> None:
         with self.runner.on_device():
-            start, work_done = self.clock(), []
+            start, work_done, lane_steps = self.clock(), [], 0
             self._ingest()
             for i in range(self.cfg.frames_per_tick):  # each round: one step of every due session
-                work = self._schedule(prefill=i == 0)
-                if not work:
+                work = self._schedule(i)
+                lane = self.lane.round(i)
+                if not work and lane is None:
                     break
-                self._run(work)
-                self._timed("decode", self.audio.decode, self.sessions.values(), first_audio_only=True)
+                self._run(work, lane)
+                self._timed("decode", self.audio.decode, self.lane.others, first_audio_only=True)  # (turn mode's)
                 work_done.append(work)
+                lane_steps += len(lane) if lane is not None else 0
+            self.lane.give_back_all()
             self._timed("decode", self.audio.decode, self.sessions.values())
             self._finish_replies()
             self._check_when_idle()
-            self._record(start, work_done)
+            self._record(start, work_done, lane_steps)
 
     def _ingest(self) -> None:
         self._apply_commands()
@@ -278,20 +284,29 @@ class Engine:
             if not s.paused and s.start_reply(self.clock()):
                 self._sample([s])  # the user's last step is already computed: sample at once
         self.kv.rematch(self.sessions.values())
+        self.lane.take(list(self.sessions.values()))
 
-    def _schedule(self, prefill: bool) -> list[Work]:
+    def _schedule(self, index: int) -> list[Work]:
+        """Round `index`'s work besides the lane's, and pages for both."""
         t = self.clock()
         sessions = list(self.sessions.values())
-        work = self.scheduler.pick(sessions, t, prefill=prefill)
-        work = self.kv.reserve(work, lambda s, busy: self.scheduler.victim(s, sessions, busy))
+        self.lane.prepare(index, self.kv)
+        work = self.scheduler.pick(self.lane.others, t, prefill=index == 0)
+        work = self.kv.reserve(work, lambda s, busy: self._victim(s, sessions, busy))
         self.stats.phase_seconds["schedule"] += self.clock() - t
         return work
 
-    def _run(self, work: list[Work]) -> None:
+    def _victim(self, s: Session, sessions: list[Session], busy: set[str]) -> Session | None:
+        """`Scheduler.victim`; one the lane steps gets its steps back first, and steps no more this tick."""
+        if (v := self.scheduler.victim(s, sessions, busy)) is not None:
+            self.lane.give_back(v)
+        return v
+
+    def _run(self, work: list[Work], lane: LaneRound | None) -> None:
         t = self.clock()
-        logits = self.runner.forward(work)
+        logits = self.runner.forward(work, lane)
         now = self.clock()
-        for w, row in zip(work, logits.unbind(), strict=True):  # (one call for every row's view)
+        for w, row in zip(work, logits[: len(work)].unbind(), strict=True):  # (one call for every row's view)
             s = w.session
             s.last_active, s.last_logits = now, row
             s.advance(len(w.tokens))
@@ -300,24 +315,40 @@ class Engine:
                 turn.times.setdefault("prefill_done", now)
             if not w.decode:
                 self.kv.insert(s, lock=True)  # a prefill chunk: sessions behind it can share it next tick
-        self._sample([w.session for w in work], [w.wanted for w in work])  # waits for the forward (on a GPU)
+        # waits for the forward (on a GPU)
+        self._sample([w.session for w in work], [w.wanted for w in work], lane, logits[len(work) :])
         for s in self.sessions.values():
             if s.phase is Phase.REPLY:
                 s.fill_reply_silence()
         self.stats.phase_seconds["model"] += self.clock() - t
 
-    def _sample(self, sessions: list[Session], known: list | None = None) -> None:
-        """Sample each session's next codes; `known`: what each will fill where the scheduler found it (or None)."""
+    def _sample(
+        self,
+        sessions: list[Session],
+        known: list | None = None,
+        lane: LaneRound | None = None,
+        lane_logits: torch.Tensor | None = None,
+    ) -> None:
+        """Sample each session's next codes, and the lane's rows' (`lane_logits`: theirs); `known`: what each
+        session will fill where the scheduler found it (or None)."""
         todo = [
             (s, filled)
             for s, found in zip(sessions, known or [None] * len(sessions), strict=True)
             if s.last_logits is not None and (filled := found or s.wanted())
         ]
-        if not todo:
+        if not todo and lane is None:
             return
-        codes = self.runner.sample([s for s, _ in todo])
+        logits = [torch.stack([s.last_logits for s, _ in todo])] if todo else []
+        params, streams = [s.sampling for s, _ in todo], [s.generator for s, _ in todo]
+        if lane is not None:
+            logits.append(lane_logits)
+            lane_params, lane_streams = self.lane.sampling(lane)
+            params, streams = params + lane_params, streams + lane_streams
+        codes = self.runner.sample(torch.cat(logits) if len(logits) > 1 else logits[0], params, streams)
         now = self.clock()
-        for (s, filled), c in zip(todo, codes, strict=True):
+        if lane is not None:
+            self.lane.accept(lane, codes[len(todo) :], lane_logits, now)
+        for (s, filled), c in zip(todo, codes[: len(todo)], strict=True):
             s.accept(c, filled)
             if s.phase is Phase.REPLY:
                 s.turns[-1].times.setdefault("first_step", now)
@@ -332,8 +363,8 @@ class Engine:
                 s.events.put(MetaEvent(s.id, data["turn"], data))
                 self._release_held(s)
 
-    def _record(self, start: float, rounds: list[list[Work]]) -> None:
-        decode = sum(w.decode for work in rounds for w in work)
+    def _record(self, start: float, rounds: list[list[Work]], lane_steps: int) -> None:
+        decode = lane_steps + sum(w.decode for work in rounds for w in work)
         prefill = sum(len(w.tokens) for work in rounds for w in work if not w.decode)
         elapsed = self.clock() - start
         self.cost.observe(len(rounds), decode, prefill, elapsed)  # the whole tick: what must fit the frame budget

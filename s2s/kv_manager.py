@@ -205,11 +205,9 @@ class KVManager:
             if s.id in preempted:
                 continue
             self.slide(s)
-            while (need := math.ceil((s.computed + len(w.tokens)) / self.page_size) - s.table_pages) > 0:
-                in_table = set(s.pages)
-                take = [p for p in s.own_pages if p not in in_table][:need]  # naive: reserved up front
+            while True:
                 try:
-                    new = take + (self.cache.alloc(need - len(take)) if need > len(take) else [])
+                    self._grow(s, len(w.tokens))
                 except OutOfPages:
                     self.stats.out_of_pages += 1
                     if not self.reserves and (v := victim(s, busy - preempted)) is not None:
@@ -223,12 +221,31 @@ class KVManager:
                         w = Work(s, w.tokens[:fit], False)
                         continue
                     break  # this session waits a tick
-                s.pages += new
-                owned = set(s.own_pages)
-                s.own_pages += [p for p in new if p not in owned]
-            else:
                 kept.append(w)
+                break
         return kept
+
+    def reserve_steps(self, s: Session, steps: int) -> bool:
+        """`reserve` for one session, preempting nobody: False, with nothing more taken, when the pool is short
+        (`DuplexLane`: the session then goes through `reserve`)."""
+        self.slide(s)
+        try:
+            self._grow(s, steps)
+        except OutOfPages:
+            return False
+        return True
+
+    def _grow(self, s: Session, steps: int) -> None:
+        """Pages for `steps` steps from `computed`, or `OutOfPages` with nothing taken."""
+        need = math.ceil((s.computed + steps) / self.page_size) - s.table_pages
+        if need <= 0:
+            return
+        in_table = set(s.pages)
+        take = [p for p in s.own_pages if p not in in_table][:need]  # naive: reserved up front
+        new = take + (self.cache.alloc(need - len(take)) if need > len(take) else [])
+        s.pages += new
+        owned = set(s.own_pages)
+        s.own_pages += [p for p in new if p not in owned]
 
     def preempt(self, s: Session) -> None:
         """Give back a session's pages and recompute its K/V later (its frames are kept). Its full pages go to the

@@ -10,12 +10,12 @@ import torch
 
 from cache import PagePool
 from kernels import batch_invariant as batch_invariant_kernels
-from s2s.batch import PagedBatch
+from s2s.batch import PagedBatch, page_table, stack_tables
 from s2s.cuda_graphs import DecodeGraphs
+from s2s.duplex_lane import LaneRound
 from s2s.model import S2SModel
-from s2s.sampling import sample
+from s2s.sampling import RandomStream, SamplingParams, sample
 from s2s.scheduler import Work
-from s2s.session import Session
 
 
 class ModelRunner:
@@ -62,19 +62,28 @@ class ModelRunner:
             tokens = torch.zeros(steps, cfg.step_width, dtype=torch.long, device=self.device)
             self.model.forward_paged(tokens, batch, self.pool.k, self.pool.v)
 
-    def forward(self, work: list[Work]) -> torch.Tensor:
-        """Logits `[len(work), K, V]` of each piece of work's last step; K/V of every step go into its pages."""
-        tokens = np.concatenate([w.tokens for w in work])
-        pages, cached, shifts = zip(*(w.session.visible() for w in work), strict=True)
-        if self.graphs is not None and len(tokens) == len(work) and self.graphs.fits(len(work), pages):
-            return self.graphs.run(tokens, cached, pages, shifts)
-        batch = PagedBatch.build(cached, [len(w.tokens) for w in work], pages, self.pool.page_size, self.device, shifts)
+    def forward(self, work: list[Work], lane: LaneRound | None = None) -> torch.Tensor:
+        """Logits `[len(work) + len(lane), K, V]` of each piece of work's last step, then of each lane row's step;
+        K/V of every step go into its pages."""
+        visible = [w.session.visible() for w in work]
+        tokens = np.concatenate([w.tokens for w in work] + ([lane.tokens] if lane is not None else []))
+        cached = np.array([v[1] for v in visible], dtype=np.int64)
+        shifts = np.array([v[2] for v in visible], dtype=np.int64)
+        new_lens = np.fromiter((len(w.tokens) for w in work), dtype=np.int64, count=len(work))
+        lengths = np.fromiter((len(v[0]) for v in visible), dtype=np.int64, count=len(work))
+        table = page_table([v[0] for v in visible])
+        if lane is not None:
+            cached, shifts = np.concatenate([cached, lane.cached]), np.concatenate([shifts, lane.shifts])
+            new_lens = np.concatenate([new_lens, np.ones(len(lane), dtype=np.int64)])
+            lengths = np.concatenate([lengths, lane.lengths])
+            table = stack_tables(table, lane.table)
+        if self.graphs is not None and len(tokens) == len(new_lens) and self.graphs.fits(len(new_lens), table):
+            return self.graphs.run(tokens, cached, table, lengths, shifts)
+        batch = PagedBatch.from_table(cached, new_lens, table, lengths, self.pool.page_size, self.device, shifts)
         device_tokens = torch.from_numpy(tokens).to(self.device)
         out = self.model.forward_paged(device_tokens, batch, self.pool.k, self.pool.v, self.batch_invariant)
         return out.logits
 
-    def sample(self, sessions: list[Session]) -> np.ndarray:
-        """The next step's codes `[len(sessions), K]` from each session's last logits, with its own generator."""
-        logits = torch.stack([s.last_logits for s in sessions])
-        params, generators = [s.sampling for s in sessions], [s.generator for s in sessions]
-        return sample(logits, params, generators, self.model.config.pad_id).cpu().numpy()
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], streams: list[RandomStream]) -> np.ndarray:
+        """The next step's codes `[S, K]` from logits `[S, K, V]`, each row with its own settings and stream."""
+        return sample(logits, params, streams, self.model.config.pad_id).cpu().numpy()

@@ -119,7 +119,7 @@ def sample(
             continue
         index, chosen = torch.tensor(rows, device=logits.device), [params[i] for i in rows]
         scaled = logits[index] / logits.new_tensor([max(p.temperature, 1e-6) for p in chosen])[:, None, None]
-        ks = [p.top_k if p.top_k > 0 else vocab for p in chosen]
+        ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in chosen]  # a k past the vocabulary: all of it
         top_k = logits.new_tensor(ks)[:, None, None]
         row_keys = keys[index]
 

@@ -167,7 +167,7 @@ class Session(TurnLifecycle):
         """Steps start..stop-1 as `[n, 2K]`, UNKNOWN where a code is not known (frames within the arrays)."""
         low = start - self.max_delay
         if low >= self.user.start and low >= self.model.start:  # each tick's read: recent frames, none padded
-            return self._recent_tokens(start, stop)
+            return self.recent_tokens(start, stop)
         frames = np.arange(start, stop)[:, None] - self.delays[None, :]
         idx = np.arange(len(self.delays))[None, :]
         safe = np.maximum(frames, 0)
@@ -175,7 +175,7 @@ class Session(TurnLifecycle):
         model = np.where(frames < 0, self.cfg.pad_id, self.model.gather(safe, idx))
         return np.concatenate([user, model], axis=1)
 
-    def _recent_tokens(self, start: int, stop: int) -> np.ndarray:
+    def recent_tokens(self, start: int, stop: int) -> np.ndarray:
         """`_tokens` of steps whose frames are all held from the streams' `start` on: a slice per codebook."""
         tokens = np.full((stop - start, 2 * len(self.delays)), UNKNOWN, dtype=np.int64)
         for k, d in self.codebook_delays:
@@ -316,8 +316,30 @@ class Session(TurnLifecycle):
             else:
                 model[f, k] = codes[k]
 
+    def record_steps(self, codes: np.ndarray, logits: torch.Tensor, now: float) -> None:
+        """`len(codes)` decode steps from `computed` on were computed and sampled (`DuplexLane`): `codes[j]` `[K]`
+        are step `computed + 1 + j`'s model codes, and `logits` the last step's."""
+        n, t = len(codes), self.computed
+        self.model.ensure(t + n + 2)  # (its user frames are all in: the steps were known)
+        data, start = self.model.data, self.model.start
+        for k, d in self.codebook_delays:
+            data[t + 1 - d - start : t + 1 - d - start + n, k] = codes[:, k]
+        self.advance(n)
+        self.last_logits, self.last_active = logits, now
+
     def complete_model_frames(self) -> int:
         """Model frames whose every codebook is known, counted from frame 0 (contiguous)."""
+        model = self.model
+        if self.complete >= model.start:  # the usual read, each tick: a few recent frames, a block at a time
+            row = self.complete - model.start
+            while row < len(model.data):
+                unknown = np.flatnonzero((model.data[row : row + 16] == UNKNOWN).any(axis=1))
+                if len(unknown):
+                    row += int(unknown[0])
+                    break
+                row += 16
+            self.complete = model.start + min(row, len(model.data))
+            return self.complete
         while self.complete < len(self.model):
             if self.model.forgotten(self.complete):
                 self.complete = self.model.start  # forgotten frames were all complete

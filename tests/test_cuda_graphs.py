@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from s2s import ModelConfig, PagedBatch, S2SModel, SamplingParams
+from s2s.batch import page_table
 from s2s.cuda_graphs import DecodeGraphs, bucket_sizes
 from s2s.engine import CodesEvent, Engine, EngineConfig
 
@@ -40,6 +41,10 @@ def test_buckets_cover_every_batch_size() -> None:
     assert bucket_sizes(12) == [1, 2, 4, 8, 12]
 
 
+def run(graphs: DecodeGraphs, tokens: np.ndarray, cached: list[int], pages: list[list[int]]) -> torch.Tensor:
+    return graphs.run(tokens, np.array(cached), page_table(pages), np.array([len(p) for p in pages]))
+
+
 def check_round(model: S2SModel, graphs: DecodeGraphs, k, v, n: int, seed: int) -> None:
     """One round of n sequences through `graphs` equals the eager forward, logits and K/V both."""
     cfg = model.config
@@ -50,7 +55,7 @@ def check_round(model: S2SModel, graphs: DecodeGraphs, k, v, n: int, seed: int) 
     tokens = rng.integers(0, cfg.vocab_size, (n, cfg.step_width))
     k_ref, v_ref = [t.clone() for t in k], [t.clone() for t in v]
 
-    got = graphs.run(tokens, cached, pages)
+    got = run(graphs, tokens, cached, pages)
 
     batch = PagedBatch.build(cached, [1] * n, pages, PAGE, device=DEVICE)
     want = model.forward_paged(torch.from_numpy(tokens).to(DEVICE), batch, k_ref, v_ref).logits
@@ -81,9 +86,9 @@ def test_the_logits_of_a_round_survive_the_next_round(model) -> None:
     cfg = model.config
     k, v = pool(model, 10, seed=7)
     graphs = DecodeGraphs(model, k, v, PAGE, max_batch=2, max_pages=4, capture=CAPTURE)
-    first = graphs.run(np.ones((1, cfg.step_width), dtype=np.int64), [0], [[1]])
+    first = run(graphs, np.ones((1, cfg.step_width), dtype=np.int64), [0], [[1]])
     kept = first.clone()
-    graphs.run(np.full((1, cfg.step_width), 5, dtype=np.int64), [1], [[1]])
+    run(graphs, np.full((1, cfg.step_width), 5, dtype=np.int64), [1], [[1]])
     torch.testing.assert_close(first, kept, rtol=0, atol=0)
 
 
@@ -93,23 +98,23 @@ def test_bad_rounds_are_refused(model) -> None:
     graphs = DecodeGraphs(model, k, v, PAGE, max_batch=2, max_pages=2, capture=False)
     ok = np.zeros((1, cfg.step_width), dtype=np.int64)
     with pytest.raises(ValueError, match="lie in"):
-        graphs.run(ok + cfg.vocab_size, [0], [[1]])
+        run(graphs, ok + cfg.vocab_size, [0], [[1]])
     with pytest.raises(ValueError, match="step tokens"):
-        graphs.run(np.zeros((1, 3), dtype=np.int64), [0], [[1]])
+        run(graphs, np.zeros((1, 3), dtype=np.int64), [0], [[1]])
     with pytest.raises(ValueError, match="no page"):
-        graphs.run(ok, [4], [[1]])  # position 4 needs a second page of 4 steps
+        run(graphs, ok, [4], [[1]])  # position 4 needs a second page of 4 steps
     with pytest.raises(ValueError, match="exceed"):
-        graphs.run(np.zeros((3, cfg.step_width), dtype=np.int64), [0, 0, 0], [[1], [2], [3]])
-    assert not graphs.fits(1, [[1, 2, 3]])
+        run(graphs, np.zeros((3, cfg.step_width), dtype=np.int64), [0, 0, 0], [[1], [2], [3]])
+    assert not graphs.fits(1, page_table([[1, 2, 3]]))
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="CUDA device"):
             DecodeGraphs(model, k, v, PAGE, max_batch=2, max_pages=2)
 
 
 def counted(run, sizes: list[int]):
-    def wrapped(tokens, cached_lens, pages, shifts):
+    def wrapped(tokens, cached_lens, table, lengths, shifts):
         sizes.append(len(cached_lens))
-        return run(tokens, cached_lens, pages, shifts)
+        return run(tokens, cached_lens, table, lengths, shifts)
 
     return wrapped
 

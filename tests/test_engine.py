@@ -187,10 +187,10 @@ def slow_machine(engine: Engine, clock: SimClock, step_s: float) -> None:
     """The engine's forward on a simulated machine: 1 ms + `step_s` per decode step + 0.05 ms per prefill step."""
     real_forward = engine.runner.forward
 
-    def costly_forward(work):
-        decode = sum(1 for w in work if w.decode)
+    def costly_forward(work, lane=None):
+        decode = sum(1 for w in work if w.decode) + (len(lane) if lane is not None else 0)
         clock.now += 0.001 + step_s * decode + 0.00005 * sum(len(w.tokens) for w in work if not w.decode)
-        return real_forward(work)
+        return real_forward(work, lane)
 
     engine.runner.forward = costly_forward
 
@@ -429,10 +429,10 @@ def test_calls_never_wait_for_a_tick(model, tok) -> None:
     engine.push_audio(cid, speech(0.4, seed=3))
     in_forward, release, forward = threading.Event(), threading.Event(), engine.runner.forward
 
-    def stuck(work):
+    def stuck(work, lane=None):
         in_forward.set()
         assert release.wait(30), "the test never released the tick"
-        return forward(work)
+        return forward(work, lane)
 
     engine.runner.forward = stuck
     ticking = threading.Thread(target=engine.step)
@@ -508,9 +508,9 @@ def test_a_turns_first_audio_leaves_in_the_round_it_is_complete(model, tok) -> N
     engine.end_turn(cid)
     q, forward, ticks, seen = engine.event_queue(cid), engine.runner.forward, 0, []
 
-    def spy(work):
+    def spy(work, lane=None):
         seen.append((ticks, q.qsize()))  # events queued when a round starts, by tick
-        return forward(work)
+        return forward(work, lane)
 
     engine.runner.forward = spy
     while q.empty():

@@ -214,6 +214,18 @@ def test_top_k_without_nucleus_draws_what_the_sorted_vocabulary_draws() -> None:
         assert torch.equal(unsorted, _top_k_top_p(scaled, noise, same, torch.ones(8)))
 
 
+def test_a_top_k_past_the_vocabulary_cuts_nothing() -> None:
+    """The default top_k (250) over a small vocabulary draws from all of it, as top_k 0 does, with or without a
+    nucleus: not a `topk` that raises in the engine's thread."""
+    logits = torch.randn(3, 2, 67, generator=torch.Generator().manual_seed(0))
+    for top_p in (1.0, 0.9):
+        draws = [
+            sample(logits, [SamplingParams(top_k=k, top_p=top_p)] * 3, [RandomStream(s) for s in range(3)])
+            for k in (250, 0)
+        ]
+        assert torch.equal(*draws)
+
+
 @pytest.mark.parametrize("across", ["seeds", "draws"])
 def test_counter_based_draws_follow_the_distribution(across: str) -> None:
     """The hashed numbers are uniform enough for Gumbel-max to draw each id at its probability: over 8,000 rows of

@@ -1,0 +1,201 @@
+"""DuplexLane: a tick's steady duplex conversations, stepped through its rounds as rows of arrays.
+
+A duplex conversation in its steady state takes one decode step a round: step t's codes are all known, and sampling
+the logits of step t fills step t + 1's model codes. Which steps a tick computes for it is known when the tick
+starts: user frames come in only then (commands apply at the start of a tick), and nothing but its own sampling
+writes its model stream meanwhile. So each such conversation gets a row when a tick starts, holding its step tokens
+for the tick (`[rounds + 1, 2K]`, UNKNOWN where sampling is to fill a code) and its page table. Each round then reads
+its rows' tokens, page tables and positions, and writes their sampled codes, by whole-array operations: not a
+scheduler pick, a page reservation, a `Work` and an `accept` per conversation, which is what made the engine's host
+work per round grow with N (`s2s bench host-overhead`). Only a row whose step starts a page (one round in 16) is
+handled on its own, before the round: its steps so far go back to its session, whose window slides and which takes
+a page as `KVManager.reserve` would (one the pool cannot give goes back to the scheduler, which may preempt for it).
+When the tick ends, or when another conversation preempts one mid-tick, the rows' sampled frames, step counts and
+last logits go back to their sessions, which the rest of the engine reads.
+
+A row computes what `Scheduler.pick` picks for its session, round by round: a step whose codes are all known, whose
+sampling fills some model code of the next step (`tests/test_duplex_lane.py` runs engines with and without the
+lane side by side). Conversations in any other state (a prompt or a turn to prefill, turn mode, a sink recomputed
+after a gap, a pool too short for their pages) go through the scheduler as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from s2s.batch import page_table
+from s2s.context import ContextBound
+from s2s.frames import UNKNOWN
+from s2s.kv_manager import KVManager
+from s2s.sampling import RandomStream, SamplingParams
+from s2s.session import Session
+
+
+@dataclass
+class LaneRound:
+    """What one round's forward computes for the lane: one step of each row in `rows`."""
+
+    index: int  # the round's index in its tick: each row steps from its start step + index
+    rows: np.ndarray  # lane rows stepping this round
+    tokens: np.ndarray  # [n, 2K] their steps' codes
+    cached: np.ndarray  # [n] steps before each in its page table
+    table: np.ndarray  # [n, P] int32 page tables (what each attends to)
+    lengths: np.ndarray  # [n] pages in each table
+    shifts: np.ndarray  # [n] added to positions for RoPE (steps its window left out)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+class DuplexLane:
+    def __init__(self, delays: list[int], bound: ContextBound, rounds: int):
+        """`rounds`: a tick's rounds (0: the lane takes no rows)."""
+        self.delays, self.bound, self.rounds = np.asarray(delays), bound, rounds
+        self.max_delay = int(self.delays.max())
+        self.sessions: list[Session] = []  # the rows' sessions
+        self.others: list[Session] = []  # the tick's other sessions, in the order they opened: the scheduler's
+        self._all: list[Session] = []
+        self._row_of: dict[str, int] = {}  # rows still stepping or holding steps to give back
+
+    def take(self, sessions: list[Session]) -> None:
+        """This tick's rows: each steady duplex session that has a step to take."""
+        candidates, tokens = [], []
+        for s in sessions if self.rounds else ():
+            t = s.computed
+            if (
+                s.mode == "duplex"
+                and not s.paused
+                and t - self.max_delay >= max(s.user.start, s.model.start)  # reads only recent frames
+                and not (s.dropped and t < s.sink * self.bound.page_size)  # not recomputing its sink after a gap
+            ):
+                candidates.append(s)
+                tokens.append(s.recent_tokens(t, t + self.rounds + 1))
+        self._all, self.sessions, self._row_of = sessions, [], {}
+        if candidates:
+            all_tokens = np.array(tokens)
+            steps, wanted = self._plan(candidates, all_tokens)
+            kept = np.flatnonzero(steps)
+            self.sessions = [candidates[i] for i in kept.tolist()]
+            self._row_of = {s.id: r for r, s in enumerate(self.sessions)}
+            self.steps, self.wanted, self.tokens = steps[kept], wanted[kept], all_tokens[kept]
+        rows = self.sessions
+        self.others = [s for s in sessions if s.id not in self._row_of] if rows else list(sessions)
+        self.start = np.array([s.computed for s in rows], dtype=np.int64)
+        self.sink = np.array([s.sink for s in rows], dtype=np.int64)
+        self.dropped = np.array([s.dropped for s in rows], dtype=np.int64)
+        pages = [s.pages for s in rows]
+        self.lengths = np.fromiter(map(len, pages), dtype=np.int64, count=len(pages))
+        self.table = page_table(pages)
+        self.params: list[SamplingParams] = [s.sampling for s in rows]
+        self.streams: list[RandomStream] = [s.generator for s in rows]
+        self.done = np.zeros(len(rows), dtype=np.int64)  # rounds each row has stepped
+        self.given = np.zeros(len(rows), dtype=np.int64)  # of those, steps given back to its session
+        self._logits: list[tuple[torch.Tensor, np.ndarray, float]] = []  # each round's: rows' logits, rows, when
+
+    def _plan(self, sessions: list[Session], tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """How many rounds each takes this tick, and which model codes sampling fills (`[n, rounds + 1, K]`, by
+        step): the leading run of rounds whose step is known by then and whose sampling fills some model code of
+        the next step (`Scheduler.pick`'s decode step, from `Session.wanted_after`)."""
+        k = len(self.delays)
+        t = np.array([s.computed for s in sessions], dtype=np.int64)
+        first_predicted = np.array([max(1, s.prompt_frames) for s in sessions], dtype=np.int64)
+        step = np.arange(self.rounds + 1)
+        frames = t[:, None, None] + step[None, :, None] - self.delays[None, None, :]  # each model code's frame
+        unknown = tokens[:, :, k:] == UNKNOWN
+        wanted = unknown & (frames >= first_predicted[:, None, None])
+        model_known = (~unknown | (wanted & (step >= 1)[None, :, None])).all(-1)  # by its round
+        user_known = (tokens[:, :, :k] != UNKNOWN).all(-1)
+        takes = user_known[:, :-1] & model_known[:, :-1] & wanted[:, 1:].any(-1)
+        return np.cumprod(takes, axis=1).sum(1), wanted
+
+    def prepare(self, index: int, kv: KVManager) -> None:
+        """Before round `index`: rows whose step needs a new page, or whose window has left a page behind, slide
+        and take one (`KVManager.reserve_steps`); a row the pool cannot serve goes back to the scheduler."""
+        rows = self._stepping(index)
+        if not len(rows):
+            return
+        ps, sink, dropped, lengths = self.bound.page_size, self.sink[rows], self.dropped[rows], self.lengths[rows]
+        computed = self.start[rows] + index
+        need = -(-(computed + 1) // ps) - (lengths + np.where(lengths >= sink, dropped, 0))
+        drop = np.maximum(computed // ps - self.bound.window_pages + 1 - sink, 0) - dropped  # `KVManager.slide`'s
+        for row in rows[(need > 0) | ((drop > 0) & (lengths >= sink + drop))].tolist():
+            self._give_steps([row])
+            s = self.sessions[row]
+            if kv.reserve_steps(s, 1):
+                self.dropped[row] = s.dropped
+                self._set_pages(row, s.pages)
+            else:
+                self._leave(row)
+
+    def _set_pages(self, row: int, pages: list[int]) -> None:
+        if len(pages) > self.table.shape[1]:
+            self.table = np.pad(self.table, ((0, 0), (0, len(pages) - self.table.shape[1])))
+        self.table[row, : len(pages)] = pages
+        self.lengths[row] = len(pages)
+
+    def _leave(self, row: int) -> None:
+        """The row steps no more this tick: the scheduler has its session from now on."""
+        self.steps[row] = self.done[row]
+        del self._row_of[self.sessions[row].id]
+        self.others = [s for s in self._all if s.id not in self._row_of]
+
+    def _stepping(self, index: int) -> np.ndarray:
+        return np.flatnonzero(self.steps > index) if self.sessions else np.zeros(0, dtype=np.int64)
+
+    def round(self, index: int) -> LaneRound | None:
+        """Round `index`'s steps, or None when no row steps in it."""
+        rows = self._stepping(index)
+        if not len(rows):
+            return None
+        ps = self.bound.page_size
+        computed, sink, dropped = self.start[rows] + index, self.sink[rows], self.dropped[rows]
+        # `Session.visible`, for rows past their sink: the sink's pages, then the window's
+        hidden = np.maximum(np.maximum(computed // ps - self.bound.window_pages + 1 - sink, 0), dropped)
+        skip = np.where(hidden > 0, hidden - dropped, 0)  # table pages before the window, after the sink
+        columns = np.arange(self.table.shape[1])
+        source = np.where(columns < sink[:, None], columns, columns + skip[:, None])
+        lengths = self.lengths[rows] - skip
+        pages = np.take_along_axis(self.table[rows], np.minimum(source, self.table.shape[1] - 1), axis=1)
+        table = np.where(columns < lengths[:, None], pages, 0).astype(np.int32)
+        return LaneRound(index, rows, self.tokens[rows, index], computed - hidden * ps, table, lengths, hidden * ps)
+
+    def sampling(self, r: LaneRound) -> tuple[list[SamplingParams], list[RandomStream]]:
+        rows = r.rows.tolist()
+        return [self.params[i] for i in rows], [self.streams[i] for i in rows]
+
+    def accept(self, r: LaneRound, codes: np.ndarray, logits: torch.Tensor, now: float) -> None:
+        """The round's sampled codes `[n, K]` fill what each row's next step wanted; `logits` `[n, K, V]`."""
+        k, nxt = len(self.delays), r.index + 1
+        wanted = self.wanted[r.rows, nxt]
+        self.tokens[r.rows, nxt, k:] = np.where(wanted, codes, self.tokens[r.rows, nxt, k:])
+        self.done[r.rows] = nxt
+        self._logits.append((logits, r.rows, now))
+
+    def give_back(self, s: Session) -> None:
+        """The session's steps so far go back to it, and it steps no more this tick (another preempts it)."""
+        if (row := self._row_of.get(s.id)) is not None:
+            self._give_steps([row])
+            self._leave(row)
+
+    def give_back_all(self) -> None:
+        """The tick is over: every row's steps go back to its session."""
+        self._give_steps(list(self._row_of.values()))
+        self.sessions, self._row_of, self._logits, self._all, self.others = [], {}, [], [], []
+
+    def _give_steps(self, rows: list[int]) -> None:
+        """Each row's steps not yet given back go to its session, with the logits of its last step."""
+        rows = np.array(rows, dtype=np.int64)
+        rows = rows[self.done[rows] > self.given[rows]]
+        k = len(self.delays)
+        for index, (logits, stepped, now) in enumerate(self._logits):  # by the round of each one's last step
+            last = np.sort(rows[self.done[rows] == index + 1])
+            if not len(last):
+                continue
+            views = logits.unbind()  # (not a gather: that would copy the rows' logits)
+            for row, at in zip(last.tolist(), np.searchsorted(stepped, last).tolist(), strict=True):
+                given, done = int(self.given[row]), int(self.done[row])
+                self.sessions[row].record_steps(self.tokens[row, given + 1 : done + 1, k:], views[at], now)
+                self.given[row] = done
