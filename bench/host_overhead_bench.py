@@ -5,9 +5,10 @@
 An engine on `tiny` with seeded weights, codec-free (two codebooks of 1024 codes, the 1.5 kbps codec's shape: the
 codec's calls are not the engine's bookkeeping), with N duplex conversations, N in 16, 64, 256, 512 (`--quick`: 16
 and 64). Each is fed 4 frames of codes a tick, as the server's ticks take them, and the engine ticks back to back
-(`step()` in this thread). Per tick: its wall time, the time inside `ModelRunner.forward` and `ModelRunner.sample`
-(timed around them), and the rest, which is host work: taking commands, scheduling, the prefix cache's re-match and
-inserts, page reservation, the per-conversation loops, events and the snapshot. The first ticks (while each
+(`step()` in this thread, then the engine loop's `_behind()`, its check for input ahead of real time). Per tick:
+its wall time, the time inside `ModelRunner.forward` and `ModelRunner.sample` (timed around them), and the rest,
+which is host work: taking commands, scheduling, the prefix cache's re-match and inserts, page reservation, the
+per-conversation loops, events, the snapshot and the loop's check. The first ticks (while each
 conversation's first frames go in) are not counted.
 """
 
@@ -61,6 +62,7 @@ def measure(model: S2SModel, n: int, ticks: int) -> dict:
         inside[0] = 0.0
         start = time.perf_counter()
         engine.step()
+        engine._behind()
         elapsed = time.perf_counter() - start
         for cid in cids:  # what the server's readers do: the events go
             q = engine.event_queue(cid)

@@ -59,10 +59,13 @@ class DuplexLane:
         self.others: list[Session] = []  # the tick's other sessions, in the order they opened: the scheduler's
         self._all: list[Session] = []
         self._row_of: dict[str, int] = {}  # rows still stepping or holding steps to give back
+        self.ahead = False  # after a tick: some row could take another step now (input came ahead of real time)
+        self.rest: list[Session] = []  # after a tick: the sessions it did not end as rows
 
     def take(self, sessions: list[Session]) -> None:
         """This tick's rows: each steady duplex session that has a step to take."""
-        candidates, tokens = [], []
+        candidates = []
+        tokens = np.full((len(sessions) if self.rounds else 0, self.rounds + 2, 2 * len(self.delays)), UNKNOWN)
         for s in sessions if self.rounds else ():
             t = s.computed
             if (
@@ -71,16 +74,18 @@ class DuplexLane:
                 and t - self.max_delay >= max(s.user.start, s.model.start)  # reads only recent frames
                 and not (s.dropped and t < s.sink * self.bound.page_size)  # not recomputing its sink after a gap
             ):
+                s.recent_tokens(t, t + self.rounds + 2, tokens[len(candidates)])
                 candidates.append(s)
-                tokens.append(s.recent_tokens(t, t + self.rounds + 1))
         self._all, self.sessions, self._row_of = sessions, [], {}
         if candidates:
-            all_tokens = np.array(tokens)
-            steps, wanted = self._plan(candidates, all_tokens)
+            all_tokens = tokens[: len(candidates)]
+            run, wanted = self._plan(candidates, all_tokens)
+            steps = np.minimum(run, self.rounds)
             kept = np.flatnonzero(steps)
             self.sessions = [candidates[i] for i in kept.tolist()]
             self._row_of = {s.id: r for r, s in enumerate(self.sessions)}
             self.steps, self.wanted, self.tokens = steps[kept], wanted[kept], all_tokens[kept]
+            self.more = run[kept] > self.rounds  # it could step once more after the tick
         rows = self.sessions
         self.others = [s for s in sessions if s.id not in self._row_of] if rows else list(sessions)
         self.start = np.array([s.computed for s in rows], dtype=np.int64)
@@ -96,13 +101,13 @@ class DuplexLane:
         self._logits: list[tuple[torch.Tensor, np.ndarray, float]] = []  # each round's: rows' logits, rows, when
 
     def _plan(self, sessions: list[Session], tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """How many rounds each takes this tick, and which model codes sampling fills (`[n, rounds + 1, K]`, by
-        step): the leading run of rounds whose step is known by then and whose sampling fills some model code of
-        the next step (`Scheduler.pick`'s decode step, from `Session.wanted_after`)."""
+        """How many steps each could take in a row, up to one past the tick's rounds, and which model codes sampling
+        fills (`[n, rounds + 2, K]`, by step): the leading run of steps known by their round whose sampling fills
+        some model code of the next step (`Scheduler.pick`'s decode step, from `Session.wanted_after`)."""
         k = len(self.delays)
         t = np.array([s.computed for s in sessions], dtype=np.int64)
         first_predicted = np.array([max(1, s.prompt_frames) for s in sessions], dtype=np.int64)
-        step = np.arange(self.rounds + 1)
+        step = np.arange(self.rounds + 2)
         frames = t[:, None, None] + step[None, :, None] - self.delays[None, None, :]  # each model code's frame
         unknown = tokens[:, :, k:] == UNKNOWN
         wanted = unknown & (frames >= first_predicted[:, None, None])
@@ -182,7 +187,9 @@ class DuplexLane:
 
     def give_back_all(self) -> None:
         """The tick is over: every row's steps go back to its session."""
-        self._give_steps(list(self._row_of.values()))
+        rows = list(self._row_of.values())
+        self._give_steps(rows)
+        self.ahead, self.rest = bool(self.more[rows].any()) if rows else False, self.others
         self.sessions, self._row_of, self._logits, self._all, self.others = [], {}, [], [], []
 
     def _give_steps(self, rows: list[int]) -> None:

@@ -415,9 +415,11 @@ class Engine:
     def _behind(self) -> bool:
         """A duplex session still has a step it could take now: its input came in faster than a tick's worth
         (clients send 80 ms blocks), so the next tick starts at once instead of waiting for its slot."""
+        if self.lane.ahead:  # one the lane ended the tick with (it knows of those)
+            return True
         return any(
-            s.mode == "duplex" and not s.paused and s.step_token(s.computed) is not None and s.wanted_after(1)
-            for s in self.sessions.values()
+            s.mode == "duplex" and not s.paused and s.step_known(s.computed) and s.wanted_after(1)
+            for s in self.lane.rest
         )
 
     # ---- commands, applied by the engine thread at the start of a tick -----------------------------------------

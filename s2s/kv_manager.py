@@ -99,7 +99,7 @@ class KVManager:
             if s.seen_inserts == self.inserts:
                 continue  # nothing new in the cache
             ahead = s.computed + self.page_size
-            if ahead > s.sink * self.page_size if s.dropped else s.step_token(ahead) is None:
+            if ahead > s.sink * self.page_size if s.dropped else not s.step_known(ahead):
                 continue  # less than a page of prefill waiting (past a gap: of its sink, all it can match)
             if s.waiting:
                 continue  # locking its old pages again would take them from whoever preempted it
@@ -250,7 +250,7 @@ class KVManager:
     def preempt(self, s: Session) -> None:
         """Give back a session's pages and recompute its K/V later (its frames are kept). Its full pages go to the
         prefix cache first, so what is not evicted meanwhile comes back on its next match."""
-        if s.mode == "turn" and s.phase is Phase.LISTEN and s.step_token(s.computed) is None:
+        if s.mode == "turn" and s.phase is Phase.LISTEN and not s.step_known(s.computed):
             s.idle_frames = s.user_frames  # all it had is computed: nothing to do until its user speaks
         self.insert(s, lock=False)
         self.detach(s)

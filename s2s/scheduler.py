@@ -138,7 +138,7 @@ class Scheduler:
         listening = [
             o
             for o in others
-            if o.id not in busy and o.mode == "turn" and o.phase is Phase.LISTEN and o.step_token(o.computed) is None
+            if o.id not in busy and o.mode == "turn" and o.phase is Phase.LISTEN and not o.step_known(o.computed)
         ]
         between = [o for o in listening if o.answered()]
         if between or (listening and urgent(s)):

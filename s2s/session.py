@@ -163,6 +163,13 @@ class Session(TurnLifecycle):
         token = self._tokens(t, t + 1)[0]
         return None if (token == UNKNOWN).any() else token
 
+    def step_known(self, t: int) -> bool:
+        """`step_token(t) is not None`, read code by code where its frames are recent (the engine loop asks it of
+        every duplex session after every tick)."""
+        if t - self.max_delay >= max(self.user.start, self.model.start):
+            return self._recent_step(t) is not None
+        return self.step_token(t) is not None
+
     def _tokens(self, start: int, stop: int) -> np.ndarray:
         """Steps start..stop-1 as `[n, 2K]`, UNKNOWN where a code is not known (frames within the arrays)."""
         low = start - self.max_delay
@@ -175,9 +182,10 @@ class Session(TurnLifecycle):
         model = np.where(frames < 0, self.cfg.pad_id, self.model.gather(safe, idx))
         return np.concatenate([user, model], axis=1)
 
-    def recent_tokens(self, start: int, stop: int) -> np.ndarray:
-        """`_tokens` of steps whose frames are all held from the streams' `start` on: a slice per codebook."""
-        tokens = np.full((stop - start, 2 * len(self.delays)), UNKNOWN, dtype=np.int64)
+    def recent_tokens(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
+        """`_tokens` of steps whose frames are all held from the streams' `start` on: a slice per codebook; into
+        `out` (`[stop - start, 2K]`, UNKNOWN throughout) when given."""
+        tokens = np.full((stop - start, 2 * len(self.delays)), UNKNOWN, dtype=np.int64) if out is None else out
         for k, d in self.codebook_delays:
             for column, stream in ((k, self.user), (len(self.delays) + k, self.model)):
                 codes = stream.recent(start - d, stop - d, k)

@@ -34,7 +34,7 @@ def run(engine_class: type[Engine], model: S2SModel, num_pages: int) -> tuple[di
         deterministic=True,  # a step's logits do not depend on its batch: rows may come in any order
     )
     engine = engine_class(model, None, cfg)
-    lane_steps = [0]
+    lane_steps, ahead = [0], [0]
     forward = engine.runner.forward
 
     def counted(work, lane=None):
@@ -72,6 +72,12 @@ def run(engine_class: type[Engine], model: S2SModel, num_pages: int) -> tuple[di
                 engine.push_codes(cid, rng.integers(0, 64, (K, 6)))
                 engine.end_turn(cid)
         engine.step()
+        behind = any(  # the loop's question, asked of every session the slow way
+            s.mode == "duplex" and not s.paused and s.step_token(s.computed) is not None and s.wanted_after(1)
+            for s in engine.sessions.values()
+        )
+        assert engine._behind() == behind, tick
+        ahead[0] += behind
     codes, meta = {}, {}
     for cid in [*cids, *turns]:
         q = engine.event_queue(cid)
@@ -79,6 +85,7 @@ def run(engine_class: type[Engine], model: S2SModel, num_pages: int) -> tuple[di
         got = [e.codes for e in events if isinstance(e, CodesEvent)]
         codes[cid] = np.concatenate(got, axis=1) if got else np.zeros((K, 0))
         meta[cid] = [{k: v for k, v in e.data.items() if k != "times"} for e in events if isinstance(e, MetaEvent)]
+    assert ahead[0] > 5, "some ticks ended with input ahead of real time"
     return codes, meta, lane_steps[0], engine.stats.preempted
 
 

@@ -40,6 +40,7 @@ def test_step_views_agree_with_step_token(delays, user_frames, model_frames, hol
         conv.model[hole, rng.integers(len(delays))] = UNKNOWN  # one unknown code inside the known frames
     conv.computed = computed
 
+    assert all(conv.step_known(t) == (conv.step_token(t) is not None) for t in range(computed, computed + limit))
     known = len(by_steps(conv, 0, 10_000))
     assert len(conv.known_key()) == known
     ready = by_steps(conv, computed, limit)
