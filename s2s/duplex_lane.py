@@ -8,8 +8,9 @@ for the tick (`[rounds + 1, 2K]`, UNKNOWN where sampling is to fill a code) and 
 its rows' tokens, page tables and positions, and writes their sampled codes, by whole-array operations: not a
 scheduler pick, a page reservation, a `Work` and an `accept` per conversation, which is what made the engine's host
 work per round grow with N (`s2s bench host-overhead`). Only a row whose step starts a page (one round in 16) is
-handled on its own, before the round: its steps so far go back to its session, whose window slides and which takes
-a page as `KVManager.reserve` would (one the pool cannot give goes back to the scheduler, which may preempt for it).
+handled on its own, before the round: its steps so far go back to its session, and the scheduler picks its step and
+reserves its page with everyone else's, in deadline order, preempting as it would; it steps in the lane if it got
+its page, and leaves the lane if not.
 When the tick ends, or when another conversation preempts one mid-tick, the rows' sampled frames, step counts and
 last logits go back to their sessions, which the rest of the engine reads.
 
@@ -29,8 +30,8 @@ import torch
 from s2s.batch import page_table
 from s2s.context import ContextBound
 from s2s.frames import UNKNOWN
-from s2s.kv_manager import KVManager
 from s2s.sampling import RandomStream, SamplingParams
+from s2s.scheduler import Work
 from s2s.session import Session
 
 
@@ -61,6 +62,8 @@ class DuplexLane:
         self._row_of: dict[str, int] = {}  # rows still stepping or holding steps to give back
         self.ahead = False  # after a tick: some row could take another step now (input came ahead of real time)
         self.rest: list[Session] = []  # after a tick: the sessions it did not end as rows
+        self.stalled: list[Session] = []  # after a tick: rows that met a step not known (`Scheduler.forget` them)
+        self._needy: dict[str, int] = {}
 
     def take(self, sessions: list[Session]) -> None:
         """This tick's rows: each steady duplex session that has a step to take."""
@@ -86,6 +89,7 @@ class DuplexLane:
             self._row_of = {s.id: r for r, s in enumerate(self.sessions)}
             self.steps, self.wanted, self.tokens = steps[kept], wanted[kept], all_tokens[kept]
             self.more = run[kept] > self.rounds  # it could step once more after the tick
+            self.stopped_unknown = ~self._known[kept, steps[kept]]  # the step it stopped at is not known
         rows = self.sessions
         self.others = [s for s in sessions if s.id not in self._row_of] if rows else list(sessions)
         self.start = np.array([s.computed for s in rows], dtype=np.int64)
@@ -113,27 +117,47 @@ class DuplexLane:
         wanted = unknown & (frames >= first_predicted[:, None, None])
         model_known = (~unknown | (wanted & (step >= 1)[None, :, None])).all(-1)  # by its round
         user_known = (tokens[:, :, :k] != UNKNOWN).all(-1)
-        takes = user_known[:, :-1] & model_known[:, :-1] & wanted[:, 1:].any(-1)
+        self._known = user_known & model_known
+        takes = self._known[:, :-1] & wanted[:, 1:].any(-1)
         return np.cumprod(takes, axis=1).sum(1), wanted
 
-    def prepare(self, index: int, kv: KVManager) -> None:
-        """Before round `index`: rows whose step needs a new page, or whose window has left a page behind, slide
-        and take one (`KVManager.reserve_steps`); a row the pool cannot serve goes back to the scheduler."""
+    def schedulable(self, index: int) -> list[Session]:
+        """Who `Scheduler.pick` sees before round `index`, in the order they opened: the sessions without a row, and
+        the rows whose step needs a new page or whose window has left a page behind. Those get their steps so far
+        back, and the scheduler picks their step and reserves its page with everyone else's, earliest deadline first,
+        preempting as it would; `keep_reserved` takes back the ones that got their pages."""
         rows = self._stepping(index)
+        self._needy: dict[str, int] = {}
         if not len(rows):
-            return
+            return self.others
         ps, sink, dropped, lengths = self.bound.page_size, self.sink[rows], self.dropped[rows], self.lengths[rows]
         computed = self.start[rows] + index
         need = -(-(computed + 1) // ps) - (lengths + np.where(lengths >= sink, dropped, 0))
         drop = np.maximum(computed // ps - self.bound.window_pages + 1 - sink, 0) - dropped  # `KVManager.slide`'s
-        for row in rows[(need > 0) | ((drop > 0) & (lengths >= sink + drop))].tolist():
-            self._give_steps([row])
-            s = self.sessions[row]
-            if kv.reserve_steps(s, 1):
-                self.dropped[row] = s.dropped
-                self._set_pages(row, s.pages)
+        needy = rows[(need > 0) | ((drop > 0) & (lengths >= sink + drop))].tolist()
+        if not needy:
+            return self.others
+        self._give_steps(needy)
+        self._needy = {self.sessions[row].id: row for row in needy}
+        return [s for s in self._all if s.id not in self._row_of or s.id in self._needy]
+
+    def keep_reserved(self, work: list[Work]) -> list[Work]:
+        """The scheduler's reserved work less the steps of rows from `schedulable`: a row whose step kept its place
+        (its pages reserved) steps in the lane; one whose step did not (the pool is short, or it was preempted)
+        leaves it, and the scheduler has it from now on."""
+        if not self._needy:
+            return work
+        kept = []
+        for w in work:
+            if (row := self._needy.pop(w.session.id, None)) is not None and w.session.id in self._row_of:
+                self.dropped[row] = w.session.dropped
+                self._set_pages(row, w.session.pages)
             else:
+                kept.append(w)
+        for cid, row in self._needy.items():
+            if cid in self._row_of:
                 self._leave(row)
+        return kept
 
     def _set_pages(self, row: int, pages: list[int]) -> None:
         if len(pages) > self.table.shape[1]:
@@ -190,6 +214,7 @@ class DuplexLane:
         rows = list(self._row_of.values())
         self._give_steps(rows)
         self.ahead, self.rest = bool(self.more[rows].any()) if rows else False, self.others
+        self.stalled = [self.sessions[r] for r in rows if self.steps[r] < self.rounds and self.stopped_unknown[r]]
         self.sessions, self._row_of, self._logits, self._all, self.others = [], {}, [], [], []
 
     def _give_steps(self, rows: list[int]) -> None:

@@ -272,6 +272,8 @@ class Engine:
                 work_done.append(work)
                 lane_steps += len(lane) if lane is not None else 0
             self.lane.give_back_all()
+            for s in self.lane.stalled:  # as `Scheduler.pick` forgets one with nothing to compute
+                self.scheduler.forget(s.id)
             self._timed("decode", self.audio.decode, self.sessions.values())
             self._finish_replies()
             self._check_when_idle()
@@ -290,9 +292,9 @@ class Engine:
         """Round `index`'s work besides the lane's, and pages for both."""
         t = self.clock()
         sessions = list(self.sessions.values())
-        self.lane.prepare(index, self.kv)
-        work = self.scheduler.pick(self.lane.others, t, prefill=index == 0)
+        work = self.scheduler.pick(self.lane.schedulable(index), t, prefill=index == 0)
         work = self.kv.reserve(work, lambda s, busy: self._victim(s, sessions, busy))
+        work = self.lane.keep_reserved(work)
         self.stats.phase_seconds["schedule"] += self.clock() - t
         return work
 
@@ -316,7 +318,7 @@ class Engine:
             if not w.decode:
                 self.kv.insert(s, lock=True)  # a prefill chunk: sessions behind it can share it next tick
         # waits for the forward (on a GPU)
-        self._sample([w.session for w in work], [w.wanted for w in work], lane, logits[len(work) :])
+        self._sample([w.session for w in work], [w.wanted for w in work], lane, logits[len(work) :], now)
         for s in self.sessions.values():
             if s.phase is Phase.REPLY:
                 s.fill_reply_silence()
@@ -328,9 +330,10 @@ class Engine:
         known: list | None = None,
         lane: LaneRound | None = None,
         lane_logits: torch.Tensor | None = None,
+        computed_at: float = 0.0,
     ) -> None:
-        """Sample each session's next codes, and the lane's rows' (`lane_logits`: theirs); `known`: what each
-        session will fill where the scheduler found it (or None)."""
+        """Sample each session's next codes, and the lane's rows' (`lane_logits`: theirs, computed at
+        `computed_at`); `known`: what each session will fill where the scheduler found it (or None)."""
         todo = [
             (s, filled)
             for s, found in zip(sessions, known or [None] * len(sessions), strict=True)
@@ -347,7 +350,7 @@ class Engine:
         codes = self.runner.sample(torch.cat(logits) if len(logits) > 1 else logits[0], params, streams)
         now = self.clock()
         if lane is not None:
-            self.lane.accept(lane, codes[len(todo) :], lane_logits, now)
+            self.lane.accept(lane, codes[len(todo) :], lane_logits, computed_at)
         for (s, filled), c in zip(todo, codes[: len(todo)], strict=True):
             s.accept(c, filled)
             if s.phase is Phase.REPLY:

@@ -225,16 +225,6 @@ class KVManager:
                 break
         return kept
 
-    def reserve_steps(self, s: Session, steps: int) -> bool:
-        """`reserve` for one session, preempting nobody: False, with nothing more taken, when the pool is short
-        (`DuplexLane`: the session then goes through `reserve`)."""
-        self.slide(s)
-        try:
-            self._grow(s, steps)
-        except OutOfPages:
-            return False
-        return True
-
     def _grow(self, s: Session, steps: int) -> None:
         """Pages for `steps` steps from `computed`, or `OutOfPages` with nothing taken."""
         need = math.ceil((s.computed + steps) / self.page_size) - s.table_pages
