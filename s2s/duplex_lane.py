@@ -82,14 +82,14 @@ class DuplexLane:
         self._all, self.sessions, self._row_of = sessions, [], {}
         if candidates:
             all_tokens = tokens[: len(candidates)]
-            run, wanted = self._plan(candidates, all_tokens)
+            run, wanted, known = self._plan(candidates, all_tokens)
             steps = np.minimum(run, self.rounds)
             kept = np.flatnonzero(steps)
             self.sessions = [candidates[i] for i in kept.tolist()]
             self._row_of = {s.id: r for r, s in enumerate(self.sessions)}
             self.steps, self.wanted, self.tokens = steps[kept], wanted[kept], all_tokens[kept]
             self.more = run[kept] > self.rounds  # it could step once more after the tick
-            self.stopped_unknown = ~self._known[kept, steps[kept]]  # the step it stopped at is not known
+            self.stopped_unknown = ~known[kept, steps[kept]]  # the step it stopped at is not known
         rows = self.sessions
         self.others = [s for s in sessions if s.id not in self._row_of] if rows else list(sessions)
         self.start = np.array([s.computed for s in rows], dtype=np.int64)
@@ -104,10 +104,11 @@ class DuplexLane:
         self.given = np.zeros(len(rows), dtype=np.int64)  # of those, steps given back to its session
         self._logits: list[tuple[torch.Tensor, np.ndarray, float]] = []  # each round's: rows' logits, rows, when
 
-    def _plan(self, sessions: list[Session], tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _plan(self, sessions: list[Session], tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """How many steps each could take in a row, up to one past the tick's rounds, and which model codes sampling
         fills (`[n, rounds + 2, K]`, by step): the leading run of steps known by their round whose sampling fills
-        some model code of the next step (`Scheduler.pick`'s decode step, from `Session.wanted_after`)."""
+        some model code of the next step (`Scheduler.pick`'s decode step, from `Session.wanted_after`); and whether
+        each step is known by its round (`[n, rounds + 2]`)."""
         k = len(self.delays)
         t = np.array([s.computed for s in sessions], dtype=np.int64)
         first_predicted = np.array([max(1, s.prompt_frames) for s in sessions], dtype=np.int64)
@@ -117,9 +118,9 @@ class DuplexLane:
         wanted = unknown & (frames >= first_predicted[:, None, None])
         model_known = (~unknown | (wanted & (step >= 1)[None, :, None])).all(-1)  # by its round
         user_known = (tokens[:, :, :k] != UNKNOWN).all(-1)
-        self._known = user_known & model_known
-        takes = self._known[:, :-1] & wanted[:, 1:].any(-1)
-        return np.cumprod(takes, axis=1).sum(1), wanted
+        known = user_known & model_known
+        takes = known[:, :-1] & wanted[:, 1:].any(-1)
+        return np.cumprod(takes, axis=1).sum(1), wanted, known
 
     def schedulable(self, index: int) -> list[Session]:
         """Who `Scheduler.pick` sees before round `index`, in the order they opened: the sessions without a row, and
