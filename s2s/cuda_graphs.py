@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from s2s.batch import PagedBatch, stack_tables
+from s2s.batch import PagedBatch
 from s2s.model import S2SModel
 
 
@@ -131,7 +131,7 @@ class DecodeGraphs:
         size = next(s for s in self.sizes if s >= n)
         # only the columns this round reads: the kernel never looks past a sequence's length, so what earlier rounds
         # left further right is never read
-        table = stack_tables(table, np.zeros((size - n, 0), dtype=np.int32))
+        table = np.pad(table, ((0, size - n), (0, 0)))  # padding rows: page 0
         slots = np.full(size, -1, dtype=np.int64)
         slots[:n] = table[np.arange(n), pos // self.page_size].astype(np.int64) * self.page_size + pos % self.page_size
         seqlens = np.ones(size, dtype=np.int64)

@@ -111,14 +111,9 @@ class Frames:
         return array, (rows, codebooks)
 
     def __getitem__(self, key) -> np.ndarray:
-        if type(key) is slice and key.start is not None and key.stop is not None and key.start >= self.start:
-            return self.data[key.start - self.start : max(key.start, key.stop) - self.start]  # the usual: recent frames
         array, index = self._at(key)
         return array[index]
 
     def __setitem__(self, key, value) -> None:
-        if type(key) is slice and key.start is not None and key.stop is not None and key.start >= self.start:
-            self.data[key.start - self.start : max(key.start, key.stop) - self.start] = value
-            return
         array, index = self._at(key)
         array[index] = value

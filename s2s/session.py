@@ -337,17 +337,6 @@ class Session(TurnLifecycle):
 
     def complete_model_frames(self) -> int:
         """Model frames whose every codebook is known, counted from frame 0 (contiguous)."""
-        model = self.model
-        if self.complete >= model.start:  # the usual read, each tick: a few recent frames, a block at a time
-            row = self.complete - model.start
-            while row < len(model.data):
-                unknown = np.flatnonzero((model.data[row : row + 16] == UNKNOWN).any(axis=1))
-                if len(unknown):
-                    row += int(unknown[0])
-                    break
-                row += 16
-            self.complete = model.start + min(row, len(model.data))
-            return self.complete
         while self.complete < len(self.model):
             if self.model.forgotten(self.complete):
                 self.complete = self.model.start  # forgotten frames were all complete
