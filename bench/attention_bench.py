@@ -4,10 +4,10 @@
 
 A tick's batch mixes decode steps (one per replying conversation) with prefill chunks of any length. The torch
 reference computes a batch in one call that pads every sequence to the longest query and the longest keys
-(`S2S_ATTENTION_BACKEND=torch`); the CPU path (`auto`, `kernels/cpu_attention.py`) sends the decode steps to its C++
-kernel and the extends to the reference in groups of small padding. Each row times `S2SModel.forward_paged` (every
-layer, K/V in a page pool) on one batch shape with both, interleaved in one run, one torch thread, seeded weights;
-the ratio is the figure. Context lengths are in steps.
+(`S2S_ATTENTION_BACKEND=torch`); the CPU path (`auto`, `paged_kernels/cpu_attention.py`) sends the decode steps to
+its C++ kernel and the extends to the reference in groups of small padding. Each row times
+`S2SModel.forward_paged` (every layer, K/V in a page pool) on one batch shape with both, interleaved in one run,
+one torch thread, seeded weights; the ratio is the figure. Context lengths are in steps.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from bench.common import environment, parser, print_table, save_outputs, timed
 from cache import PagePool
-from kernels import set_backend
+from paged_kernels import set_backend
 from s2s import ModelConfig, S2SModel
 from s2s.batch import PagedBatch
 

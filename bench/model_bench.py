@@ -3,7 +3,7 @@
     s2s bench model [--quick] [--device cuda] [--json PATH] [--plot PATH]
 
 Both sides run the same weights (seeded), the same embedding sum and output heads; only the backbone and its
-cache differ. Ours: `S2SModel.forward_paged` with K/V in pages (page size 16) through `kernels.paged_attention`
+cache differ. Ours: `S2SModel.forward_paged` with K/V in pages (page size 16) through `paged_kernels.paged_attention`
 (on CPU: the C++ decode kernel, which reads pages in place). Theirs: `transformers.LlamaModel` with
 `attn_implementation="sdpa"` (its fastest on CPU) and its `DynamicCache`, under `torch.inference_mode()`. The
 cache of C steps is filled with random K/V on both sides (a decode step's cost does not depend on the values), and

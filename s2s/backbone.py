@@ -2,8 +2,8 @@
 its state dict and a Llama checkpoint can initialise it. Two paths share the weights:
 - `Backbone.forward(inputs_embeds)`: full causal attention without a cache (the reference);
 - `Backbone.forward_paged(x, batch, k_caches, v_caches)`: a flattened batch of sequences that decode or extend on top
-  of K/V held in pages (`s2s.batch.PagedBatch`), through `kernels.store_kv` and `kernels.paged_attention`.
-  With `batch_invariant=True` the matmuls and attention go through `kernels.batch_invariant`: each step's K/V and
+  of K/V held in pages (`s2s.batch.PagedBatch`), through `paged_kernels.store_kv` and `paged_kernels.paged_attention`.
+  With `batch_invariant=True` the matmuls and attention go through `paged_kernels.batch_invariant`: each step's K/V and
   hidden state are then the same bits whatever batch, chunk or position in the batch it was computed in.
 """
 
@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import batch_invariant as invariant
-from kernels import paged_attention, store_kv
+from paged_kernels import batch_invariant as invariant
+from paged_kernels import paged_attention, store_kv
 from s2s.batch import PagedBatch
 from s2s.config import ModelConfig
 

@@ -85,7 +85,7 @@ class S2SModel(nn.Module):
         `batch_invariant=True` (CPU, fp32): the K/V each step stores and the logits of each sequence's last step
         are bitwise the same whatever else is in the batch, the step's position in it, and the chunks its sequence
         was computed in (one step at a time, one chunk, several), at a fixed thread count. Slower; see
-        `kernels/batch_invariant.py`.
+        `paged_kernels/batch_invariant.py`.
         """
         if tokens.shape[0] != batch.positions.shape[0]:
             raise ValueError(f"{tokens.shape[0]} tokens for a batch of {batch.positions.shape[0]}")

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from cache import PagePool
-from kernels import batch_invariant as batch_invariant_kernels
+from paged_kernels import batch_invariant as batch_invariant_kernels
 from s2s.batch import PagedBatch, page_table, stack_tables
 from s2s.cuda_graphs import DecodeGraphs
 from s2s.duplex_lane import LaneRound
@@ -19,8 +19,8 @@ from s2s.scheduler import Work
 
 
 class ModelRunner:
-    """`batch_invariant`: every forward through the batch-invariant kernels (`kernels/batch_invariant.py`), so that a
-    step's logits and K/V do not depend on what else is in its batch or on its chunk; no CUDA graphs."""
+    """`batch_invariant`: every forward through the batch-invariant kernels (`paged_kernels/batch_invariant.py`), so
+    that a step's logits and K/V do not depend on what else is in its batch or on its chunk; no CUDA graphs."""
 
     def __init__(self, model: S2SModel, pool: PagePool, max_batch: int, cuda_graphs: bool, batch_invariant: bool):
         self.model, self.pool, self.batch_invariant = model, pool, batch_invariant

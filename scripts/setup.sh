@@ -33,6 +33,6 @@ $py -m pip install -q -e '.[dev,bench]' 2>&1 | grep -v "^WARNING: Location" || t
 $py -c "from codec import EncodecTokenizer; from s2s import Engine" # fails loudly if the install did not take
 # Without CUDA, compile the C++ CPU attention kernel now (about a minute, once per .venv), not in the first model step: an engine
 # stalled on the compiler answers nobody, and a test or the demo waiting on it would time out.
-$py -c "import torch; from kernels import cpu_attention; torch.cuda.is_available() or cpu_attention.available()"
+$py -c "import torch; from paged_kernels import cpu_attention; torch.cuda.is_available() or cpu_attention.available()"
 bash scripts/setup_moshi_client.sh || echo "setup: the Moshi client did not install; tests/test_moshi_client.py will skip" >&2
 bash scripts/setup_pipecat.sh || echo "setup: pipecat did not install; tests/test_pipecat.py will skip" >&2

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 def _cpu_kernel_built() -> None:
     """Compile the C++ CPU attention kernel before any test runs (`scripts/setup.sh` does; an older .venv may not
     have): an engine whose first step waits a minute on the compiler answers nobody, and the test times out."""
-    from kernels import cpu_attention
+    from paged_kernels import cpu_attention
 
     if not torch.cuda.is_available():
         cpu_attention.available()

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from test_model import Pages, random_tokens
 
 from codec import EncodecTokenizer, streaming
-from kernels import batch_invariant
+from paged_kernels import batch_invariant
 from s2s import ModelConfig, PagedBatch, S2SModel, SamplingParams, sample
 
 FS = 320

@@ -1,4 +1,4 @@
-"""kernels/ torch reference: paged attention equals dense attention computed one sequence at a time."""
+"""paged_kernels/ torch reference: paged attention equals dense attention computed one sequence at a time."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels import reference
+from paged_kernels import reference
 
 
 def dense_attention(q, k, v, q_pos, causal, window):
@@ -84,7 +84,7 @@ def test_store_kv_skips_negative_slots() -> None:
 def test_dispatch_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CPU, "auto" sends decode steps to the C++ kernel and extends to the reference, a mixed batch split between
     them; "torch" forces the reference for everything, in one call."""
-    from kernels import attention, cpu_attention
+    from paged_kernels import attention, cpu_attention
 
     with pytest.raises(ValueError, match="backend"):
         attention.set_backend("cuda-please")
@@ -116,7 +116,7 @@ def test_dispatch_flag(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cpu_split_batch_equals_reference(seqs, page_size, window) -> None:
     """A CPU batch of decode steps and extends of any lengths, split into calls (`cpu_attention.groups`), gives what
     one reference call over the whole batch gives."""
-    from kernels import cpu_attention
+    from paged_kernels import cpu_attention
 
     k_cache, v_cache, page_table, _ = build(seqs, page_size, 2, 8, seed=len(seqs))
     q = torch.randn(sum(n for _, n in seqs), 4, 8, generator=torch.Generator().manual_seed(2))
@@ -133,7 +133,7 @@ def test_cpu_groups_keep_padding_small(seqs) -> None:
     """Every sequence in exactly one call; decode steps in one call of their own; no extend pays for another's
     shape beyond the padding limit (one reference call pads all of its sequences to the longest query and keys:
     16 decodes beside a 256-step prefill made that call 16x the prefill's work)."""
-    from kernels import cpu_attention
+    from paged_kernels import cpu_attention
 
     q_lens, k_lens = [q for q, _ in seqs], [max(q, k) for q, k in seqs]
     parts = cpu_attention.groups(q_lens, k_lens)
@@ -155,7 +155,7 @@ def test_cpu_groups_keep_padding_small(seqs) -> None:
 )
 def test_cpu_decode_kernel_equals_reference(lens, page_size, heads, window) -> None:
     """The C++ decode kernel (CPU, fp32) against the torch reference; it must build on every machine CI uses."""
-    from kernels import cpu_attention
+    from paged_kernels import cpu_attention
 
     assert cpu_attention.available(), "the C++ CPU decode kernel failed to build (see the warning)"
     hq, hkv = heads
@@ -191,13 +191,13 @@ def test_cpu_kernel_build_survives_a_stale_lock() -> None:
     import time
     from pathlib import Path
 
-    from kernels import cpu_attention
+    from paged_kernels import cpu_attention
 
     assert cpu_attention.available()
     lock = Path(sys.prefix) / "s2s_extensions" / "cpu_paged_decode" / "lock"
     lock.touch()
     old = time.time() - 3600
     os.utime(lock, (old, old))
-    code = "from kernels import cpu_attention; assert cpu_attention.available()"
+    code = "from paged_kernels import cpu_attention; assert cpu_attention.available()"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=Path(__file__).parent.parent)
     assert not lock.exists()

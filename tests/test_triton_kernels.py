@@ -1,4 +1,5 @@
-"""kernels/triton_attention.py equals kernels/reference.py; kernels/attention.py dispatches to the chosen backend.
+"""paged_kernels/triton_attention.py equals paged_kernels/reference.py; paged_kernels/attention.py dispatches to the
+chosen backend.
 
 Without CUDA the kernels run under TRITON_INTERPRET=1 (set in conftest.py), so shapes stay small. Every attention
 check runs the kernel on caches whose slots no query may read are NaN: a kernel that reads a key block outside the
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import attention, reference, triton_attention
+from paged_kernels import attention, reference, triton_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}

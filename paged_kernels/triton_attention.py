@@ -1,6 +1,6 @@
 """Triton kernels over paged K/V: `store_kv` and one flash-attention kernel for decode and extend batches alike.
 
-Semantics and layouts are those of `kernels/reference.py`.
+Semantics and layouts are those of `paged_kernels/reference.py`.
 
 `paged_attention` design:
 - A program owns BLOCK_Q query tokens of one sequence times the GROUP query heads that share one kv head. Its

@@ -1,7 +1,7 @@
 """Public attention functions over paged K/V, dispatched to Triton (CUDA) or torch (everywhere else).
 
 `set_backend("triton" | "torch" | "auto")` or the environment variable `S2S_ATTENTION_BACKEND` forces one.
-"auto" picks Triton for CUDA tensors; on CPU `kernels/cpu_attention.py`: a batch split into decode steps (its C++
+"auto" picks Triton for CUDA tensors; on CPU `paged_kernels/cpu_attention.py`: a batch split into decode steps (its C++
 kernel) and groups of extends (the torch reference, which pads every sequence of a call to the longest). "torch" is
 the reference alone. Forcing Triton on CPU tensors works only under `TRITON_INTERPRET=1` (tests).
 """
@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from kernels import cpu_attention, reference
+from paged_kernels import cpu_attention, reference
 
 _BACKENDS = ("auto", "triton", "torch")
 _backend = os.environ.get("S2S_ATTENTION_BACKEND", "auto")
@@ -36,7 +36,7 @@ def store_kv(
 ) -> None:
     """Write new keys/values `[N, kv_heads, head_dim]` into their slots of one layer's page pool."""
     if _use_triton(k):
-        from kernels import triton_attention
+        from paged_kernels import triton_attention
 
         triton_attention.store_kv(k, v, k_cache, v_cache, slot_mapping)
     else:
@@ -56,10 +56,10 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of flattened queries over paged keys; decode (1 query a sequence) and extend alike.
 
-    Layouts are in `kernels/reference.py`. Returns `[N, q_heads, head_dim]` in q's dtype.
+    Layouts are in `paged_kernels/reference.py`. Returns `[N, q_heads, head_dim]` in q's dtype.
     """
     if _use_triton(q):
-        from kernels import triton_attention as impl
+        from paged_kernels import triton_attention as impl
     elif _backend == "auto" and q.device.type == "cpu":
         return cpu_attention.paged_attention(
             q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, causal, sliding_window, scale

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_attention
+from paged_kernels import cpu_attention
 
 # Rows per matmul call. 16 fp32 rows of any width start each tile on a 64-byte boundary, as the first one is: MKL's
 # results may depend on the alignment of its operands.
@@ -59,7 +59,7 @@ def paged_attention(
     causal: bool = True,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """`kernels.paged_attention` for a batch in decode form (one query a sequence, `PagedBatch.per_query`)."""
+    """`paged_kernels.paged_attention` for a batch in decode form (one query a sequence, `PagedBatch.per_query`)."""
     if not causal or q.shape[0] != len(seqlens_k) or len(cu_seqlens_q) != len(seqlens_k) + 1:
         raise ValueError("batch-invariant attention takes causal decode batches: one query a sequence")
     return cpu_attention.paged_decode(q, k_cache, v_cache, page_table, seqlens_k, sliding_window, None)

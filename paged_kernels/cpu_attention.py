@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import reference
+from paged_kernels import reference
 
 PADDING_LIMIT = 1.25  # an extend group's padded attention work over its useful work (`groups`)
 
@@ -165,8 +165,8 @@ def paged_attention(
     sliding_window: int | None,
     scale: float | None,
 ) -> torch.Tensor:
-    """`kernels.paged_attention` for CPU tensors: the batch in `groups`, each through the C++ decode kernel where
-    it `supports` them and the torch reference otherwise. Layouts as in kernels/reference.py."""
+    """`paged_kernels.paged_attention` for CPU tensors: the batch in `groups`, each through the C++ decode kernel where
+    it `supports` them and the torch reference otherwise. Layouts as in paged_kernels/reference.py."""
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
     parts = groups(q_lens, seqlens_k.tolist())
     if len(parts) == 1:
@@ -200,7 +200,8 @@ def paged_decode(
     sliding_window: int | None,
     scale: float | None,
 ) -> torch.Tensor:
-    """q `[S, q_heads, dim]`, one query per sequence at position seqlens_k - 1; layouts as in kernels/reference.py."""
+    """q `[S, q_heads, dim]`, one query per sequence at position seqlens_k - 1; layouts as in
+    paged_kernels/reference.py."""
     ext = _extension()
     assert ext is not None, "call supports() first"
     if k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
