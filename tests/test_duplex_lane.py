@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from clocks import SimClock
 
 from s2s import ModelConfig, S2SModel, SamplingParams
 from s2s.engine import CodesEvent, Engine, EngineConfig, MetaEvent
@@ -35,7 +36,8 @@ def run(engine_class: type[Engine], model: S2SModel, num_pages: int, seed: int, 
         max_reply_frames=10,
         deterministic=True,  # a step's logits do not depend on its batch: rows may come in any order
     )
-    engine = engine_class(model, None, cfg)
+    clock = SimClock()  # deadlines, and so the order of picks and victims, follow the script, not the machine
+    engine = engine_class(model, None, cfg, clock=clock)
     lane_steps, ahead = [0], [0]
     forward = engine.runner.forward
 
@@ -81,6 +83,7 @@ def run(engine_class: type[Engine], model: S2SModel, num_pages: int, seed: int, 
                 engine.push_codes(cid, rng.integers(0, 64, (K, 6)))
                 engine.end_turn(cid)
         engine.step()
+        clock.now += cfg.tick_s
         behind = any(  # the loop's question, asked of every session the slow way
             s.mode == "duplex" and not s.paused and s.step_token(s.computed) is not None and s.wanted_after(1)
             for s in engine.sessions.values()
