@@ -58,7 +58,7 @@ class AudioIO:
                 continue
             taken, s.pending = s.pending, []
             if s.input_kind == "codes":
-                heard.append((s, np.concatenate(taken, axis=1)))
+                heard.append((s, taken[0] if len(taken) == 1 else np.concatenate(taken, axis=1)))
             else:
                 rows.append(s.row)
                 chunks.append(np.concatenate(taken))
@@ -96,7 +96,7 @@ class AudioIO:
         s.emitted = stop
         turn = s.turns[-1]
         turn.times.setdefault("first_audio_out", now)
-        if s.mode == "duplex":
+        if s.mode == "duplex" and now > frame_deadline(s, stop - 1, self.jitter_buffer_s):  # (deadlines rise)
             late = sum(now > frame_deadline(s, f, self.jitter_buffer_s) for f in range(first, stop))
             s.deadline_misses += late
             self.stats.deadline_misses += late

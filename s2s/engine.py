@@ -283,7 +283,7 @@ class Engine:
         self._apply_commands()
         self._timed("encode", self.audio.encode, self.sessions.values())
         for s in self.sessions.values():
-            if not s.paused and s.start_reply(self.clock()):
+            if s.end_of_turn_at is not None and not s.paused and s.start_reply(self.clock()):
                 self._sample([s])  # the user's last step is already computed: sample at once
         self.kv.rematch(self.sessions.values())
         self.lane.take(list(self.sessions.values()))

@@ -24,7 +24,7 @@ class Frames:
 
     def ensure(self, frames: int) -> None:
         """Room for frames up to `frames` - 1 (new ones UNKNOWN)."""
-        if frames > len(self):
+        if frames > self.start + len(self.data):
             size = max(frames - self.start, 2 * len(self.data))
             grown = np.full((size, self.data.shape[1]), UNKNOWN, dtype=np.int64)
             grown[: len(self.data)] = self.data
@@ -69,13 +69,6 @@ class Frames:
                 raise IndexError("a forgotten frame was read")
             out[head] = self.head[frames[head], codebooks[head]]
         return out
-
-    def recent(self, a: int, b: int, codebook: int) -> np.ndarray:
-        """Codebook `codebook` of frames `a`..`b`-1, all from `start` on (the tick's usual read), as a view; shorter
-        than `b - a` where it runs past the end (those frames are UNKNOWN)."""
-        if a < self.start:
-            raise IndexError(f"frame {a} is before the recent frames ({self.start} on)")
-        return self.data[a - self.start : b - self.start, codebook]
 
     def code(self, frame: int, codebook: int) -> int:
         """One code (UNKNOWN past the end); `frame` must not be forgotten."""

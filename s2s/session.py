@@ -151,7 +151,10 @@ class Session(TurnLifecycle):
         n = codes.shape[1]
         f = self.user_frames
         self._ensure(f + n + 1)
-        self.user[f : f + n] = codes.T
+        if f >= self.user.start:  # (the usual write: recent frames)
+            self.user.data[f - self.user.start : f - self.user.start + n] = codes.T
+        else:
+            self.user[f : f + n] = codes.T
         if self.mode == "turn" and self.phase is Phase.LISTEN:
             self.model[f : f + n] = self.cfg.silent_id
         self.user_frames += n
@@ -186,10 +189,13 @@ class Session(TurnLifecycle):
         """`_tokens` of steps whose frames are all held from the streams' `start` on: a slice per codebook; into
         `out` (`[stop - start, 2K]`, UNKNOWN throughout) when given."""
         tokens = np.full((stop - start, 2 * len(self.delays)), UNKNOWN, dtype=np.int64) if out is None else out
-        for k, d in self.codebook_delays:
-            for column, stream in ((k, self.user), (len(self.delays) + k, self.model)):
-                codes = stream.recent(start - d, stop - d, k)
-                tokens[: len(codes), column] = codes
+        for base, stream in ((0, self.user), (len(self.delays), self.model)):
+            data, first = stream.data, start - stream.start
+            if first - self.max_delay < 0:
+                raise IndexError(f"step {start} reads frames before the recent ones ({stream.start} on)")
+            for k, d in self.codebook_delays:
+                codes = data[first - d : first - d + stop - start, k]
+                tokens[: len(codes), base + k] = codes
         return tokens
 
     def _recent_step(self, t: int) -> list[int] | None:
@@ -334,16 +340,19 @@ class Session(TurnLifecycle):
             data[t + 1 - d - start : t + 1 - d - start + n, k] = codes[:, k]
         self.advance(n)
         self.last_logits, self.last_active = logits, now
+        # every codebook of frame t + n - max_delay is known now, and of each before it (steps up to t were known)
+        self.complete = max(self.complete, t + n + 1 - self.max_delay)
 
     def complete_model_frames(self) -> int:
         """Model frames whose every codebook is known, counted from frame 0 (contiguous)."""
-        while self.complete < len(self.model):
-            if self.model.forgotten(self.complete):
-                self.complete = self.model.start  # forgotten frames were all complete
-            elif all(self.model.code(self.complete, k) != UNKNOWN for k in range(len(self.delays))):
-                self.complete += 1
-            else:
+        model = self.model
+        while self.complete < len(model):
+            if model.forgotten(self.complete):
+                self.complete = model.start  # forgotten frames were all complete
+            elif UNKNOWN in model[self.complete].tolist():
                 break
+            else:
+                self.complete += 1
         return self.complete
 
     # ---- the turn lifecycle --------------------------------------------------------------------------------------

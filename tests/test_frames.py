@@ -1,11 +1,11 @@
-"""`Frames`' quick reads (`recent`, `code`, each tick's) against its general one (`gather`), however the stream has
-grown and forgotten its middle."""
+"""`Frames`' quick read (`code`, each tick's) against its general one (`gather`), however the stream has grown and
+forgotten its middle."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from s2s.frames import UNKNOWN, Frames
+from s2s.frames import Frames
 
 
 @settings(max_examples=60, deadline=None)
@@ -16,7 +16,7 @@ from s2s.frames import UNKNOWN, Frames
     start=st.integers(0, 320),
     length=st.integers(0, 5),
 )
-def test_recent_and_code_read_what_gather_reads(known: int, keep: int, forget_to: int, start: int, length: int) -> None:
+def test_code_reads_what_gather_reads(known: int, keep: int, forget_to: int, start: int, length: int) -> None:
     frames = Frames(2)
     frames.ensure(known)
     frames[:known] = np.arange(2 * known).reshape(known, 2)
@@ -24,11 +24,6 @@ def test_recent_and_code_read_what_gather_reads(known: int, keep: int, forget_to
         frames.forget(keep, forget_to)
     stop = start + length
     for k in range(2):
-        if start >= frames.start:
-            recent = frames.recent(start, stop, k)
-            want = frames.gather(np.arange(start, stop), np.array(k))
-            assert np.array_equal(recent, want[: len(recent)])
-            assert (want[len(recent) :] == UNKNOWN).all()
         for f in range(start, stop):
             if not frames.forgotten(f):
                 assert frames.code(f, k) == frames.gather(np.array([f]), np.array(k))[0]

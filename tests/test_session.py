@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -50,3 +51,36 @@ def test_step_views_agree_with_step_token(delays, user_frames, model_frames, hol
     if known:
         assert np.array_equal(conv.key(known), np.stack(by_steps(conv, 0, known)))
         assert np.array_equal(conv.known_key(), conv.key(known))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    delays=st.lists(st.integers(0, 3), min_size=2, max_size=3),
+    known=st.integers(1, 120),
+    keep=st.integers(0, 8),
+    forget_to=st.integers(0, 120),
+    start=st.integers(0, 130),
+    length=st.integers(1, 7),
+)
+def test_recent_tokens_read_what_the_frames_hold(delays, known, keep, forget_to, start, length) -> None:
+    """Each tick's read of recent steps (`recent_tokens`, the lane's) equals the streams' general read (`gather`),
+    however they have grown and forgotten their middle; a step before the recent frames raises."""
+    cfg = ModelConfig.preset("tiny", num_codebooks=len(delays), delays=delays)
+    conv = Session("c", "duplex", cfg, SamplingParams(), 0, 0.0)
+    conv._ensure(known + 1)
+    rng = np.random.default_rng(known)
+    conv.user[:known] = rng.integers(0, cfg.codebook_size, size=(known, len(delays)))
+    conv.model[:known] = rng.integers(0, cfg.codebook_size, size=(known, len(delays)))
+    if keep < forget_to < known:
+        conv.user.forget(keep, forget_to)
+        conv.model.forget(keep, forget_to)
+    stop, k = start + length, np.arange(len(delays))
+    if start - max(delays) < conv.user.start:
+        with pytest.raises(IndexError):
+            conv.recent_tokens(start, stop)
+        return
+    frames = np.arange(start, stop)[:, None] - np.asarray(delays)[None, :]
+    want = np.concatenate([conv.user.gather(frames, k[None, :]), conv.model.gather(frames, k[None, :])], axis=1)
+    assert np.array_equal(conv.recent_tokens(start, stop), want)
+    out = np.full((length, 2 * len(delays)), UNKNOWN)
+    assert conv.recent_tokens(start, stop, out) is out and np.array_equal(out, want)
