@@ -67,21 +67,21 @@ class DuplexLane:
 
     def take(self, sessions: list[Session]) -> None:
         """This tick's rows: each steady duplex session that has a step to take."""
-        candidates = []
-        tokens = np.full((len(sessions) if self.rounds else 0, self.rounds + 2, 2 * len(self.delays)), UNKNOWN)
+        candidates, users, models, width = [], [], [], self.max_delay + self.rounds + 2
         for s in sessions if self.rounds else ():
-            t = s.computed
+            first = s.computed - self.max_delay  # the first frame its steps of the tick read
             if (
                 s.mode == "duplex"
                 and not s.paused
-                and t - self.max_delay >= max(s.user.start, s.model.start)  # reads only recent frames
-                and not (s.dropped and t < s.sink * self.bound.page_size)  # not recomputing its sink after a gap
+                and first >= max(s.user.start, s.model.start)  # reads only recent frames
+                and not (s.dropped and s.computed < s.sink * self.bound.page_size)  # not recomputing its sink (a gap)
             ):
-                s.recent_tokens(t, t + self.rounds + 2, tokens[len(candidates)])
+                users.append(s.user.window(first, width))
+                models.append(s.model.window(first, width))
                 candidates.append(s)
         self._all, self.sessions, self._row_of = sessions, [], {}
         if candidates:
-            all_tokens = tokens[: len(candidates)]
+            all_tokens = self._steps(np.stack(users), np.stack(models))
             run, wanted, known = self._plan(candidates, all_tokens)
             steps = np.minimum(run, self.rounds)
             kept = np.flatnonzero(steps)
@@ -103,6 +103,13 @@ class DuplexLane:
         self.done = np.zeros(len(rows), dtype=np.int64)  # rounds each row has stepped
         self.given = np.zeros(len(rows), dtype=np.int64)  # of those, steps given back to its session
         self._logits: list[tuple[torch.Tensor, np.ndarray, float]] = []  # each round's: rows' logits, rows, when
+
+    def _steps(self, users: np.ndarray, models: np.ndarray) -> np.ndarray:
+        """Step tokens `[n, rounds + 2, 2K]` from each row's frames `[n, width, K]` from its first step's less the
+        largest delay on: step j + first holds codebook k of frame j + first - delays[k]."""
+        frames = np.arange(self.rounds + 2)[:, None] + self.max_delay - self.delays[None, :]
+        codebooks = np.arange(len(self.delays))[None, :]
+        return np.concatenate([users[:, frames, codebooks], models[:, frames, codebooks]], axis=2)
 
     def _plan(self, sessions: list[Session], tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """How many steps each could take in a row, up to one past the tick's rounds, and which model codes sampling

@@ -185,10 +185,9 @@ class Session(TurnLifecycle):
         model = np.where(frames < 0, self.cfg.pad_id, self.model.gather(safe, idx))
         return np.concatenate([user, model], axis=1)
 
-    def recent_tokens(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
-        """`_tokens` of steps whose frames are all held from the streams' `start` on: a slice per codebook; into
-        `out` (`[stop - start, 2K]`, UNKNOWN throughout) when given."""
-        tokens = np.full((stop - start, 2 * len(self.delays)), UNKNOWN, dtype=np.int64) if out is None else out
+    def recent_tokens(self, start: int, stop: int) -> np.ndarray:
+        """`_tokens` of steps whose frames are all held from the streams' `start` on: a slice per codebook."""
+        tokens = np.full((stop - start, 2 * len(self.delays)), UNKNOWN, dtype=np.int64)
         for base, stream in ((0, self.user), (len(self.delays), self.model)):
             data, first = stream.data, start - stream.start
             if first - self.max_delay < 0:
