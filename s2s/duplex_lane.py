@@ -200,6 +200,8 @@ class DuplexLane:
         return LaneRound(index, rows, self.tokens[rows, index], computed - hidden * ps, table, lengths, hidden * ps)
 
     def sampling(self, r: LaneRound) -> tuple[list[SamplingParams], list[RandomStream]]:
+        if len(r.rows) == len(self.params):  # every row steps (rows are in order)
+            return self.params, self.streams
         rows = r.rows.tolist()
         return [self.params[i] for i in rows], [self.streams[i] for i in rows]
 
