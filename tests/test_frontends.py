@@ -27,6 +27,7 @@ from server.connection import PerClient
 from server.engine_client import CoreClients, EngineClient
 from server.engine_core import EngineCore
 from server.process import ServerProcess
+from server.protocol import Kind
 
 TINY = ["--preset", "tiny", "--codec", str(shipped("codec")), "--threads", "1", "--admission-headroom", "inf"]
 
@@ -96,7 +97,8 @@ def test_admission_and_the_per_client_limit_hold_across_front_ends() -> None:
 
         async def one():
             async with connect(url + chat, **as_client(ip)) as ws:
-                await ws.recv()  # the handshake
+                await ws.recv()  # the handshake, sent before the session opens
+                assert (await ws.recv())[0] == Kind.METADATA  # open: the engine holds it
                 opened.append(ws)
                 if len(opened) == n:
                     ready.set()
