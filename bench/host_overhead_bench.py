@@ -10,7 +10,8 @@ its wall time, the time inside `ModelRunner.forward` and `ModelRunner.sample` (t
 which is host work, also as the engine thread's CPU time (`time.thread_time`: on a shared machine, what another
 process's load does not inflate): taking commands, scheduling, the prefix cache's re-match and inserts, page
 reservation, the per-conversation loops, events, the snapshot and the loop's check. The first ticks (while each
-conversation's first frames go in) are not counted.
+conversation's first frames go in) are not counted. A second table splits the host CPU by phase (`PHASES`: each timed
+around the engine method that does it, less any forward or sampling inside), so that what grows with N shows.
 """
 
 from __future__ import annotations
@@ -31,6 +32,19 @@ FRAMES_PER_TICK = 4
 WARMUP_TICKS = 3
 
 
+PHASES = {  # where the engine thread's host CPU goes: (object, method) wrapped, by name
+    "commands": ("engine", "_apply_commands"),  # each conversation's pushed codes, as a command
+    "encode": ("audio", "encode"),  # pushed codes become user frames
+    "take": ("lane", "take"),  # the lane's rows and their step tokens
+    "schedule": ("engine", "_schedule"),  # the scheduler's pick and page reservations, per round
+    "round": ("lane", "round"),  # each round's rows, tables and positions
+    "sample_accept": ("engine", "_run"),  # around the forward and sampling: accepting their codes
+    "give_back": ("lane", "give_back_all"),  # the rows' steps back to their sessions
+    "decode": ("audio", "decode"),  # complete frames out as each conversation's events
+    "publish": ("engine", "_publish"),  # the snapshot
+}
+
+
 def measure(model: S2SModel, n: int, ticks: int) -> dict:
     cfg = EngineConfig(
         frames_per_tick=FRAMES_PER_TICK,
@@ -40,28 +54,36 @@ def measure(model: S2SModel, n: int, ticks: int) -> dict:
     )
     engine = Engine(model, None, cfg)
     inside = [0.0, 0.0]  # seconds in the model's forward and sampling this tick: wall, the thread's CPU
+    phase_cpu = dict.fromkeys(PHASES, 0.0)  # this tick's thread CPU in each phase (the model's excluded)
 
-    def timed(fn):
+    def timed(fn, phase: str | None = None):
         def run(*args, **kwargs):
-            t, cpu = time.perf_counter(), time.thread_time()
+            t, cpu, model_cpu = time.perf_counter(), time.thread_time(), inside[1]
             out = fn(*args, **kwargs)
-            inside[0] += time.perf_counter() - t
-            inside[1] += time.thread_time() - cpu
+            if phase is None:
+                inside[0] += time.perf_counter() - t
+                inside[1] += time.thread_time() - cpu
+            else:
+                phase_cpu[phase] += time.thread_time() - cpu - (inside[1] - model_cpu)
             return out
 
         return run
 
     engine.runner.forward = timed(engine.runner.forward)
     engine.runner.sample = timed(engine.runner.sample)
+    owners = {"engine": engine, "audio": engine.audio, "lane": engine.lane}
+    for phase, (owner, method) in PHASES.items():
+        setattr(owners[owner], method, timed(getattr(owners[owner], method), phase))
     rng = np.random.default_rng(0)
     cids = [engine.open("duplex", sampling=SamplingParams(seed=i), admit=False) for i in range(n)]
     user = rng.integers(0, 1024, (2, FRAMES_PER_TICK * (WARMUP_TICKS + ticks)))
-    tick_s, model_s, host_cpu_s = [], [], []
+    tick_s, model_s, host_cpu_s, phases = [], [], [], []
     for t in range(WARMUP_TICKS + ticks):
         frames = user[:, t * FRAMES_PER_TICK : (t + 1) * FRAMES_PER_TICK]
         for cid in cids:
             engine.push_codes(cid, frames)
         inside[:] = 0.0, 0.0
+        phase_cpu.update(dict.fromkeys(PHASES, 0.0))
         start, cpu = time.perf_counter(), time.thread_time()
         engine.step()
         engine._behind()
@@ -74,8 +96,10 @@ def measure(model: S2SModel, n: int, ticks: int) -> dict:
             tick_s.append(elapsed)
             model_s.append(inside[0])
             host_cpu_s.append(cpu - inside[1])
+            phases.append(dict(phase_cpu))
     tick, model_ms = np.array(tick_s) * 1000, np.array(model_s) * 1000
     host, host_cpu = tick - model_ms, np.array(host_cpu_s) * 1000
+    mean_phase = {p: float(np.mean([ph[p] for ph in phases])) * 1000 for p in PHASES}
     return {
         "conversations": n,
         "ticks": ticks,
@@ -87,6 +111,8 @@ def measure(model: S2SModel, n: int, ticks: int) -> dict:
         "host_cpu_ms_p95": float(np.percentile(host_cpu, 95)),
         "host_share": float(np.median(host / tick)),
         "host_ms_per_conversation": float(np.percentile(host, 50)) / n,
+        **{f"cpu_ms_{p}": v for p, v in mean_phase.items()},
+        "cpu_ms_other": float(np.mean(host_cpu)) - sum(mean_phase.values()),
     }
 
 
@@ -117,6 +143,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{env['torch_threads']} torch threads, {args.ticks} ticks each)"
     )
     tables = print_table(title, rows, columns)
+    phase_columns = [("conversations", "N")] + [(f"cpu_ms_{p}", p) for p in [*PHASES, "other"]]
+    tables += print_table("Host CPU per tick by phase, ms (mean of the ticks; other: the rest)", rows, phase_columns)
     _plot(rows, args.plot)
     save_outputs(args, rows, tables)
 

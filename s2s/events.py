@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import queue
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -44,40 +46,69 @@ def _frames(event: AudioEvent | CodesEvent | MetaEvent | None) -> int:
     return event.codes.shape[-1] if isinstance(event, CodesEvent) else 0
 
 
-class EventQueue(queue.Queue):
+class EventQueue:
     """A conversation's events, ended by None. An asyncio reader sets `on_put` to wake itself instead of polling.
 
     Bounded, and never a wait for the engine thread: a reader more than `max_frames` frames of output behind (its
     client does not keep up) finds the queue `overflowed`, emptied, and dropping all but the end; `on_overflow`
-    tells the reader at once."""
+    tells the reader at once.
+
+    `queue.Queue`'s interface for one writer (the engine thread) and its readers, without its cost per put (a
+    second condition for a bound it never has, a notify with nobody waiting): the engine puts every conversation's
+    events every tick."""
 
     max_frames = 1500  # 20 s of audio: a turn reply of the default longest (750 frames), made at once, fits twice
     on_put: Callable[[], None] | None = None
     on_overflow: Callable[[], None] | None = None
 
-    def _init(self, maxsize: int) -> None:
-        super()._init(maxsize)
+    def __init__(self) -> None:
+        self.queue: collections.deque = collections.deque()
+        self.mutex = threading.Lock()
+        self._ready = threading.Condition(self.mutex)
+        self._waiting = 0  # readers blocked in `get`
         self.frames, self.overflowed = 0, False
 
-    def _put(self, item) -> None:
-        if item is not None:
-            if self.overflowed:
-                return
-            self.frames += _frames(item)
-            if self.frames > self.max_frames:
-                self.queue.clear()
-                self.frames, self.overflowed = 0, True
-                if self.on_overflow is not None:
-                    self.on_overflow()
-                return
-        super()._put(item)
+    def put(self, item: AudioEvent | CodesEvent | MetaEvent | None) -> None:
+        with self.mutex:
+            if item is not None:
+                if self.overflowed:
+                    return
+                self.frames += _frames(item)
+                if self.frames > self.max_frames:
+                    self.queue.clear()
+                    self.frames, self.overflowed = 0, True
+                    if self.on_overflow is not None:
+                        self.on_overflow()
+                    return
+            self.queue.append(item)
+            if self._waiting:
+                self._ready.notify()
         if self.on_put is not None:
             self.on_put()
 
-    def _get(self):
-        item = super()._get()
-        self.frames -= _frames(item)
-        return item
+    def get(self, block: bool = True, timeout: float | None = None) -> AudioEvent | CodesEvent | MetaEvent | None:
+        """The next event; `queue.Empty` if there is none (`block`: after waiting up to `timeout` seconds)."""
+        with self.mutex:
+            if block and not self.queue:
+                self._waiting += 1
+                try:
+                    self._ready.wait_for(lambda: self.queue, timeout)
+                finally:
+                    self._waiting -= 1
+            if not self.queue:
+                raise queue.Empty
+            item = self.queue.popleft()
+            self.frames -= _frames(item)
+            return item
+
+    def get_nowait(self) -> AudioEvent | CodesEvent | MetaEvent | None:
+        return self.get(block=False)
+
+    def qsize(self) -> int:
+        return len(self.queue)
+
+    def empty(self) -> bool:
+        return not self.queue
 
     def drop_turn_audio(self, turn: int) -> None:
         """Take a cancelled turn's audio the reader has not read yet out of the queue; keep everything else."""
