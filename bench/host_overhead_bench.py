@@ -12,6 +12,10 @@ process's load does not inflate): taking commands, scheduling, the prefix cache'
 reservation, the per-conversation loops, events, the snapshot and the loop's check. The first ticks (while each
 conversation's first frames go in) are not counted. A second table splits the host CPU by phase (`PHASES`: each timed
 around the engine method that does it, less any forward or sampling inside), so that what grows with N shows.
+
+Each N runs twice: on the model's forward and sampling, and on a stand-in that hands back logits and codes of the
+same shapes at once. On a CPU the forward evicts from the caches what the host work then reads again, which a GPU's
+forward does not: the stand-in's figure is the host work without that.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
+import torch
 
 from bench.common import environment, parser, print_table, save_outputs, write_json
 from s2s import ModelConfig, S2SModel, SamplingParams
@@ -30,6 +35,7 @@ from s2s.engine import Engine, EngineConfig
 
 FRAMES_PER_TICK = 4
 WARMUP_TICKS = 3
+FORWARDS = ("model", "stand-in")
 
 
 PHASES = {  # where the engine thread's host CPU goes: (object, method) wrapped, by name
@@ -45,7 +51,9 @@ PHASES = {  # where the engine thread's host CPU goes: (object, method) wrapped,
 }
 
 
-def measure(model: S2SModel, n: int, ticks: int) -> dict:
+def measure(model: S2SModel, n: int, ticks: int, forward: str) -> dict:
+    """`forward`: "model" (the tiny model's forward and sampling, on this CPU), or "stand-in" (logits and codes of
+    the same shapes, made at once: the host work without the cache the CPU forward evicts, as beside a GPU's)."""
     cfg = EngineConfig(
         frames_per_tick=FRAMES_PER_TICK,
         calibration_ticks=0,
@@ -69,6 +77,11 @@ def measure(model: S2SModel, n: int, ticks: int) -> dict:
 
         return run
 
+    if forward == "stand-in":
+        mcfg, draw = model.config, np.random.default_rng(1)
+        logits = torch.randn(n, mcfg.num_codebooks, mcfg.vocab_size)
+        engine.runner.forward = lambda work, lane=None: logits[: len(work) + (len(lane) if lane is not None else 0)]
+        engine.runner.sample = lambda x, params, streams: draw.integers(0, mcfg.codebook_size, x.shape[:2])
     engine.runner.forward = timed(engine.runner.forward)
     engine.runner.sample = timed(engine.runner.sample)
     owners = {"engine": engine, "audio": engine.audio, "lane": engine.lane}
@@ -102,6 +115,7 @@ def measure(model: S2SModel, n: int, ticks: int) -> dict:
     mean_phase = {p: float(np.mean([ph[p] for ph in phases])) * 1000 for p in PHASES}
     return {
         "conversations": n,
+        "forward": forward,
         "ticks": ticks,
         "tick_ms_p50": float(np.percentile(tick, 50)),
         "model_ms_p50": float(np.percentile(model_ms, 50)),
@@ -123,12 +137,14 @@ def main(argv: list[str] | None = None) -> None:
     levels = [16, 64] if args.quick else [16, 64, 256, 512]
     model = S2SModel.from_seed(ModelConfig.preset("tiny", num_codebooks=2), seed=0)
     env, rows = environment(), []
-    for n in levels:
-        rows.append({"bench": "host-overhead", "preset": "tiny", **measure(model, n, args.ticks), **env})
-        print(rows[-1], flush=True)
-        write_json(args.json, rows)
+    for forward in FORWARDS:
+        for n in levels:
+            rows.append({"bench": "host-overhead", "preset": "tiny", **measure(model, n, args.ticks, forward), **env})
+            print(rows[-1], flush=True)
+            write_json(args.json, rows)
     columns = [
         ("conversations", "N"),
+        ("forward", "forward"),
         ("tick_ms_p50", "tick p50 ms"),
         ("model_ms_p50", "forward + sampling p50 ms"),
         ("host_ms_p50", "host p50 ms"),
@@ -143,19 +159,23 @@ def main(argv: list[str] | None = None) -> None:
         f"{env['torch_threads']} torch threads, {args.ticks} ticks each)"
     )
     tables = print_table(title, rows, columns)
-    phase_columns = [("conversations", "N")] + [(f"cpu_ms_{p}", p) for p in [*PHASES, "other"]]
+    phase_columns = [("conversations", "N"), ("forward", "forward")] + [(f"cpu_ms_{p}", p) for p in [*PHASES, "other"]]
     tables += print_table("Host CPU per tick by phase, ms (mean of the ticks; other: the rest)", rows, phase_columns)
     _plot(rows, args.plot)
     save_outputs(args, rows, tables)
 
 
 def _plot(rows: list[dict], path) -> None:
-    n = [r["conversations"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(n, [r["host_ms_p50"] for r in rows], "o-", label="host p50")
-    ax.plot(n, [r["host_ms_p95"] for r in rows], "o--", label="host p95")
-    ax.plot(n, [r["host_cpu_ms_p50"] for r in rows], "^-", label="host p50, the thread's CPU time")
-    ax.plot(n, [r["model_ms_p50"] for r in rows], "s-", label="forward + sampling p50")
+    model = [r for r in rows if r["forward"] == "model"]
+    n = [r["conversations"] for r in model]
+    ax.plot(n, [r["host_ms_p50"] for r in model], "o-", label="host p50")
+    ax.plot(n, [r["host_ms_p95"] for r in model], "o--", label="host p95")
+    ax.plot(n, [r["host_cpu_ms_p50"] for r in model], "^-", label="host p50, the thread's CPU time")
+    ax.plot(n, [r["model_ms_p50"] for r in model], "s-", label="forward + sampling p50")
+    stand_in = [r for r in rows if r["forward"] == "stand-in"]
+    n = [r["conversations"] for r in stand_in]
+    ax.plot(n, [r["host_cpu_ms_p50"] for r in stand_in], "v-", label="host CPU p50, a stand-in forward")
     ax.axhline(3.0, color="gray", linestyle=":", label="target: host p50 3 ms at N = 512")
     ax.set(xscale="log", yscale="log", xlabel="conversations", ylabel="ms per tick", title="Engine host work per tick")
     ax.legend()
