@@ -384,7 +384,7 @@ def plot(rows: list[dict], path, device: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = parser("cascade", __doc__.splitlines()[0])
     # one: on this shared 2-core machine two OpenMP threads per server, beside other work, made ticks 40x slower
-    p.add_argument("--threads", type=int, default=1, help="torch threads per server process (0: one per core)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per server process (0: the server's default)")
     p.add_argument("--silence-ms", default="200,500", help="endpointing silences (pipecat's 200, LiveKit's 500)")
     p.add_argument("--rounds", default="6,3,2", help="turns per client at concurrency 1, 4 and 16")
     p.add_argument(

@@ -208,7 +208,7 @@ def main() -> None:
     p.add_argument("--preset", default="small", help="model preset of the server (seeded weights)")
     p.add_argument("--levels", default="1,2,4,8,16,32", help="numbers of concurrent conversations")
     p.add_argument("--seconds", type=float, default=8.0, help="speech per client")
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the server (0: one per core)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the server (0: the server's default)")
     p.add_argument("--modes", default="duplex,turn", help="which sweeps: duplex, turn or both")
     p.add_argument("--client-procs", type=int, default=0, help="processes for the clients (0: in this process)")
     p.add_argument(

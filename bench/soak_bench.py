@@ -159,7 +159,7 @@ def main() -> None:
     p.add_argument("--window-minutes", type=float, default=5.0, help="first-audio p95: the first and last this long")
     p.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples")
     p.add_argument("--preset", default="tiny", help="model preset of the server (seeded weights)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads of the server (0: one per core)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the server (0: the server's default)")
     p.add_argument("--kv-pages", type=int, default=4096, help="the server's K/V pages")
     p.add_argument("--max-conversations", type=int, default=32, help="the server's --max-conversations")
     p.add_argument("--seed", type=int, default=0, help="seed of the clients' plans")

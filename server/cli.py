@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import pkgutil
 import runpy
 import signal
@@ -120,8 +121,9 @@ def placement_of(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
         raise SystemExit(f"--device/--dtype: {e}") from None
 
 
-def engine_of(args: argparse.Namespace) -> tuple[Engine, EncodecTokenizer]:
-    """The engine `add_engine_args` describes, with the voice prompts of `--prompts`, and its codec."""
+def engine_of(args: argparse.Namespace, frontends: int = 0) -> tuple[Engine, EncodecTokenizer]:
+    """The engine `add_engine_args` describes, with the voice prompts of `--prompts`, and its codec; `frontends`: the
+    front-end processes beside it (their cores are not the engine's)."""
     import torch
 
     from codec import EncodecTokenizer
@@ -129,8 +131,7 @@ def engine_of(args: argparse.Namespace) -> tuple[Engine, EncodecTokenizer]:
     from s2s.config import FRAME_S
     from server.prompts import load_prompts
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or default_threads(frontends))
     device, dtype = placement_of(args)
     codec, folder = weights_of(args)
     tok = EncodecTokenizer.from_pretrained(codec, bandwidth=args.bandwidth, device=device)
@@ -155,6 +156,13 @@ def engine_of(args: argparse.Namespace) -> tuple[Engine, EncodecTokenizer]:
     for name, codes in (load_prompts(args.prompts, tok) if args.prompts else {}).items():
         engine.add_voice(name, codes)
     return engine, tok
+
+
+def default_threads(frontends: int) -> int:
+    """Torch's CPU threads for the engine: every core but the front ends' (in one process, but the event loop's).
+    An op's threads wait for each other, so one more than the cores left stalls every op while another thread of
+    the machine runs (`s2s bench concurrency` measured it, `bench/RESULTS.md`)."""
+    return max(1, (os.cpu_count() or 1) - max(frontends, 1))
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -184,7 +192,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--frames-per-tick", type=int, default=4, help="duplex frames per engine tick (1 = 13.3 ms)")
     p.add_argument("--prompts", type=Path, default=None, help="folder of voice prompts (audio files)")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice, one per core)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch CPU threads (default: every core but the front ends', or in one process the event loop's)",
+    )
     p.add_argument("--device", default="auto", help="cpu, cuda or cuda:N (auto: the first CUDA GPU, else the CPU)")
     p.add_argument("--enforce-eager", action="store_true", help="on a GPU, run decode rounds without CUDA graphs")
     p.add_argument(
@@ -357,7 +370,7 @@ def serve(args: argparse.Namespace) -> None:
     frontends = default_frontends() if args.frontends is None else args.frontends
     if frontends < 0:
         raise SystemExit(f"--frontends must be 0 or more, got {frontends}")
-    engine = engine_of(args)[0]
+    engine = engine_of(args, frontends)[0]
     if frontends:
         sys.exit(serve_with_frontends(engine, options, frontends))
     uvloop.run(serve_until_sigterm(ChatServer(engine, options)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from websockets.exceptions import InvalidStatus
 from s2s import Engine, EngineConfig, ModelConfig, Refused, S2SModel
 from s2s.events import MetaEvent
 from s2s.weights import shipped
+from server.cli import default_threads
 from server.client import refusal_of, talk
 from server.connection import PerClient
 from server.engine_client import CoreClients, EngineClient
@@ -250,6 +252,14 @@ def test_serve_refuses_a_negative_front_end_count() -> None:
         [sys.executable, "-m", "server.cli", "serve", "--frontends", "-1"], capture_output=True, text=True
     )
     assert out.returncode != 0 and "--frontends must be 0 or more" in out.stderr
+
+
+@pytest.mark.parametrize(("cores", "frontends", "threads"), [(2, 0, 1), (1, 0, 1), (16, 0, 15), (16, 2, 14), (2, 4, 1)])
+def test_the_engine_s_torch_threads_leave_the_front_ends_and_the_event_loop_their_cores(
+    monkeypatch, cores: int, frontends: int, threads: int
+) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    assert default_threads(frontends) == threads
 
 
 def test_a_front_end_imports_neither_the_engine_nor_the_codec() -> None:
