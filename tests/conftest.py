@@ -9,6 +9,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One intra-op thread in the test process: its tensors are small, so a second thread buys little and costs a core that
+# the servers the tests start (subprocesses, engine threads) need; tests that vary the count set it themselves.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _cpu_kernel_built() -> None:
