@@ -471,6 +471,8 @@ def test_end_of_turn_starts_a_tick_at_once(model, tok) -> None:
         first = engine.event_queue(cid).get(timeout=5)  # queue.Empty here means the reply waited for the tick
         assert isinstance(first, AudioEvent) and first.turn == 0
     finally:
+        engine._stop.set()  # `stop()` alone joins a thread that sleeps out its 10 s tick: wake it to see the stop
+        engine._wake.set()
         engine.stop()
 
 
