@@ -46,3 +46,20 @@ def parts():
 
     model.logits = without_end
     return model, EncodecTokenizer.from_pretrained(shipped("codec"))
+
+
+@pytest.fixture(scope="session")
+def takes():
+    """The oracle's held-out takes (`speech/oracle.py`), synthesized once for every module that hears them."""
+    from speech import oracle
+
+    return oracle.takes()
+
+
+@pytest.fixture(scope="session")
+def originals_heard(takes) -> dict[int, bool]:
+    """Whether the recogniser hears each clean take as its own sentence, by the take's `id`: the originals' rate of
+    any set of takes is read from it, instead of recognising the same clean audio again in every test."""
+    from speech import oracle
+
+    return {id(t): oracle.heard(t.pcm) == t.index for t in takes}
