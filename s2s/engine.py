@@ -110,7 +110,7 @@ class Engine:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._wake = threading.Event()  # set by `end_turn`: the engine thread ticks at once
+        self._wake = threading.Event()  # set by `end_turn` (the engine thread ticks at once) and `stop`
         self._checked_idle = True  # `_check_when_idle` has run since the last conversation went
         calibrate(self)
         self._publish()
@@ -251,6 +251,7 @@ class Engine:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()  # a loop waiting for its next tick sees the stop now, not a tick later
         if self._thread is not None:
             self._thread.join()
             self._thread = None
