@@ -32,6 +32,7 @@ import torch
 from bench.common import environment, parser, print_table, save_outputs, write_json
 from s2s import ModelConfig, S2SModel, SamplingParams
 from s2s.engine import Engine, EngineConfig
+from server.gc_pause import freeze_startup_heap
 
 FRAMES_PER_TICK = 4
 WARMUP_TICKS = 3
@@ -61,6 +62,7 @@ def measure(model: S2SModel, n: int, ticks: int, forward: str) -> dict:
         num_pages=n * ((WARMUP_TICKS + ticks) * FRAMES_PER_TICK // 16 + 4),  # each one's frames, and room
     )
     engine = Engine(model, None, cfg)
+    freeze_startup_heap()  # as `s2s serve` does once started: full passes walk only what is made after
     inside = [0.0, 0.0]  # seconds in the model's forward and sampling this tick: wall, the thread's CPU
     phase_cpu = dict.fromkeys(PHASES, 0.0)  # this tick's thread CPU in each phase (the model's excluded)
 
