@@ -162,7 +162,7 @@ def default_threads(frontends: int) -> int:
     """Torch's CPU threads for the engine: every core but the front ends' (in one process, but the event loop's).
     An op's threads wait for each other, so one more than the cores left stalls every op while another thread of
     the machine runs (`s2s bench concurrency` measured it, `bench/RESULTS.md`)."""
-    return max(1, (os.cpu_count() or 1) - max(frontends, 1))
+    return max(1, len(os.sched_getaffinity(0)) - max(frontends, 1))  # (the cores this process may run on)
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

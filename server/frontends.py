@@ -42,7 +42,7 @@ CORES_PER_FRONTEND = 8  # the default: one front end for this many cores (none b
 
 
 def default_frontends() -> int:
-    return (os.cpu_count() or 1) // CORES_PER_FRONTEND
+    return len(os.sched_getaffinity(0)) // CORES_PER_FRONTEND  # (the cores this process may run on)
 
 
 class Frontends:

@@ -258,7 +258,7 @@ def test_serve_refuses_a_negative_front_end_count() -> None:
 def test_the_engine_s_torch_threads_leave_the_front_ends_and_the_event_loop_their_cores(
     monkeypatch, cores: int, frontends: int, threads: int
 ) -> None:
-    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     assert default_threads(frontends) == threads
 
 
