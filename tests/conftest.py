@@ -3,6 +3,7 @@
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -57,9 +58,20 @@ def takes():
 
 
 @pytest.fixture(scope="session")
-def originals_heard(takes) -> dict[int, bool]:
-    """Whether the recogniser hears each clean take as its own sentence, by the take's `id`: the originals' rate of
-    any set of takes is read from it, instead of recognising the same clean audio again in every test."""
+def originals_rate(takes):
+    """`oracle.rate` over the clean originals of some of `takes`, read from one recognition of every clean take in
+    the session, instead of recognising the same clean audio again in every test."""
     from speech import oracle
 
-    return {id(t): oracle.heard(t.pcm) == t.index for t in takes}
+    heard = {id(t): oracle.heard(t.pcm) == t.index for t in takes}
+    return lambda some: float(np.mean([heard[id(t)] for t in some]))
+
+
+@pytest.fixture
+def two_threads():
+    """Two torch threads for one test (the suite's process keeps one): for work that two run faster, in this
+    process alone."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)

@@ -23,16 +23,11 @@ FS = 320
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """One thread unless a test asks for two: on a shared 2-core machine two threads wait on each other's core."""
+    """Each test starts on one thread and leaves the process on it (the tile test sets its own count)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture
-def two_threads(one_thread) -> None:
-    torch.set_num_threads(2)
 
 
 # ---- model --------------------------------------------------------------------------------------------------------

@@ -1,9 +1,7 @@
 """The shipped codec, heard by the oracle (pocketsphinx over the held-out sentences): a round trip at the default
 bandwidth, offline and streaming, is recognised at no less than 90 % of the originals' rate."""
 
-import numpy as np
 import pytest
-import torch
 
 from codec import EncodecTokenizer
 from s2s.weights import shipped
@@ -11,23 +9,13 @@ from speech import oracle
 
 
 @pytest.fixture(scope="module")
-def originals(takes, originals_heard) -> float:
-    rate = float(np.mean([originals_heard[id(t)] for t in takes]))  # oracle.rate over the clean takes
+def originals(takes, originals_rate) -> float:
+    rate = originals_rate(takes)
     assert rate >= 0.9, f"the recogniser hears only {rate:.0%} of the clean originals: the oracle itself is broken"
     return rate
 
 
-@pytest.fixture
-def two_threads():
-    """The offline codec runs whole takes at once, in this process alone: two threads run it ~1.5x faster than the
-    one the suite's process keeps (tests/conftest.py). The frame-by-frame streaming paths gain nothing from two."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.mark.usefixtures("two_threads")
+@pytest.mark.usefixtures("two_threads")  # whole takes at once: two threads run it faster (not frame by frame)
 def test_offline_round_trip_is_heard(takes, originals) -> None:
     tok = EncodecTokenizer.from_pretrained(shipped("codec"), bandwidth=1.5)
     rate = oracle.rate(takes, [oracle.offline_round_trip(tok, t.pcm) for t in takes])

@@ -31,13 +31,6 @@ def parts():
     return S2SModel.from_pretrained(shipped("model")), EncodecTokenizer.from_pretrained(shipped("codec"))
 
 
-@pytest.fixture
-def originals_rate(originals_heard):
-    """The originals' rate (`oracle.rate` over the clean takes) of some takes: read from the session's one
-    recognition of every clean take (tests/conftest.py)."""
-    return lambda takes: float(np.mean([originals_heard[id(t)] for t in takes]))
-
-
 def serve(parts, body, **kw):
     return oracle_serve(*parts, body, **kw)
 
