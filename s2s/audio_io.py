@@ -14,6 +14,7 @@ import torch
 
 from codec import EncodecTokenizer
 from s2s.events import AudioEvent, CodesEvent
+from s2s.frames import FrameRows
 from s2s.metrics import EngineStats
 from s2s.scheduler import first_audio_due, frame_deadline
 from s2s.session import Session
@@ -25,15 +26,20 @@ class AudioIO:
         self,
         tokenizer: EncodecTokenizer | None,
         rows: int,
+        user_frames: FrameRows,
+        model_frames: FrameRows,
         codebook_size: int,
         jitter_buffer_s: float,
         stats: EngineStats,
         clock: Callable[[], float],
         batch_invariant: bool,
     ):
-        """`batch_invariant`: the codec computes each row alone, a frame a call (`codec/streaming.py`)."""
+        """`user_frames`, `model_frames`: every live session's recent frames, which new user frames are written into
+        and the decoder reads; `batch_invariant`: the
+        codec computes each row alone, a frame a call (`codec/streaming.py`)."""
         self.encoder = tokenizer.streaming_encoder(rows, batch_invariant) if tokenizer else None
         self.decoder = tokenizer.streaming_decoder(rows, batch_invariant) if tokenizer else None
+        self.user_frames, self.model_frames = user_frames, model_frames
         self.codebook_size, self.jitter_buffer_s, self.stats, self.clock = codebook_size, jitter_buffer_s, stats, clock
         if tokenizer is not None:
             silence = tokenizer.encode(np.zeros(320 * 16, dtype=np.float32))[0, :, -1]
@@ -67,8 +73,26 @@ class AudioIO:
             encoded = zip(owners, (c.numpy() for c in self.encoder.push(chunks, rows)), strict=True)
             heard += [(s, codes) for s, codes in encoded if codes.shape[-1]]
         now = self.clock()
+        duplex: dict[int, list[tuple[Session, np.ndarray]]] = {}  # by frame count
         for s, codes in heard:
-            s.hear(codes, now)
+            if s.mode == "duplex":
+                duplex.setdefault(codes.shape[1], []).append((s, codes))
+            else:
+                s.hear(codes, now)
+        for n, items in duplex.items():
+            self._hear_duplex(n, items, now)
+
+    def _hear_duplex(self, n: int, items: list[tuple[Session, np.ndarray]], now: float) -> None:
+        """`Session.hear` of duplex sessions' `n` new frames each, written into their rows at once."""
+        rows = np.array([s.row for s, _ in items], dtype=np.int64)
+        offsets = np.array([s.user_frames - s.user.start for s, _ in items], dtype=np.int64)
+        if offsets.min() < 0:
+            raise AssertionError("a duplex session's next user frame is before its recent frames")
+        self.user_frames.reserve(int(offsets.max()) + n + 1)
+        self.model_frames.reserve(int(max(s.user_frames + n + 1 - s.model.start for s, _ in items)))
+        self.user_frames.array[rows[:, None], offsets[:, None] + np.arange(n)] = np.stack([c.T for _, c in items])
+        for s, _ in items:
+            s.heard_in_rows(n, now)
 
     def decode(self, sessions: Iterable[Session], first_audio_only: bool = False) -> None:
         """Decode and send every session's newly complete frames (one decoder call per chunk length).
@@ -81,8 +105,12 @@ class AudioIO:
             start, stop = self._sendable(s)
             if stop > start:
                 groups.setdefault(stop - start, []).append((s, start, stop))
-        for items in groups.values():
-            codes = np.stack([s.model[a:b].T for s, a, b in items])
+        for length, items in groups.items():
+            rows = np.array([s.row for s, _, _ in items], dtype=np.int64)
+            offsets = np.array([a - s.model.start for s, a, _ in items], dtype=np.int64)
+            if offsets.min() < 0:
+                raise IndexError("frames to send were forgotten")
+            codes = self.model_frames.read(rows, offsets, length).transpose(0, 2, 1)
             if self.decoder is None:
                 out = codes  # codec-free: the sampled ids themselves
             else:

@@ -22,6 +22,7 @@ after a gap, a pool too short for their pages) go through the scheduler as befor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +30,7 @@ import torch
 
 from s2s.batch import page_table
 from s2s.context import ContextBound
-from s2s.frames import UNKNOWN
+from s2s.frames import UNKNOWN, FrameRows
 from s2s.sampling import RandomStream, SamplingParams
 from s2s.scheduler import Work
 from s2s.session import Session
@@ -52,9 +53,11 @@ class LaneRound:
 
 
 class DuplexLane:
-    def __init__(self, delays: list[int], bound: ContextBound, rounds: int):
-        """`rounds`: a tick's rounds (0: the lane takes no rows)."""
+    def __init__(self, delays: list[int], bound: ContextBound, rounds: int, user: FrameRows, model: FrameRows):
+        """`rounds`: a tick's rounds (0: the lane takes no rows); `user`, `model`: every live session's recent frames
+        (each session's its own row), which rows are read from and written to."""
         self.delays, self.bound, self.rounds = np.asarray(delays), bound, rounds
+        self.user_rows, self.model_rows = user, model
         self.max_delay = int(self.delays.max())
         self.sessions: list[Session] = []  # the rows' sessions
         self.others: list[Session] = []  # the tick's other sessions, in the order they opened: the scheduler's
@@ -67,7 +70,7 @@ class DuplexLane:
 
     def take(self, sessions: list[Session]) -> None:
         """This tick's rows: each steady duplex session that has a step to take."""
-        candidates, users, models, width = [], [], [], self.max_delay + self.rounds + 2
+        candidates, width = [], self.max_delay + self.rounds + 2
         for s in sessions if self.rounds else ():
             first = s.computed - self.max_delay  # the first frame its steps of the tick read
             if (
@@ -76,12 +79,14 @@ class DuplexLane:
                 and first >= max(s.user.start, s.model.start)  # reads only recent frames
                 and not (s.dropped and s.computed < s.sink * self.bound.page_size)  # not recomputing its sink (a gap)
             ):
-                users.append(s.user.window(first, width))
-                models.append(s.model.window(first, width))
                 candidates.append(s)
         self._all, self.sessions, self._row_of = sessions, [], {}
         if candidates:
-            all_tokens = self._steps(np.stack(users), np.stack(models))
+            rows = np.array([s.row for s in candidates], dtype=np.int64)
+            first = np.array([s.computed for s in candidates], dtype=np.int64) - self.max_delay
+            users = self.user_rows.read(rows, first - np.array([s.user.start for s in candidates]), width)
+            models = self.model_rows.read(rows, first - np.array([s.model.start for s in candidates]), width)
+            all_tokens = self._steps(users, models)
             run, wanted, known = self._plan(candidates, all_tokens)
             steps = np.minimum(run, self.rounds)
             kept = np.flatnonzero(steps)
@@ -129,11 +134,12 @@ class DuplexLane:
         takes = known[:, :-1] & wanted[:, 1:].any(-1)
         return np.cumprod(takes, axis=1).sum(1), wanted, known
 
-    def schedulable(self, index: int) -> list[Session]:
+    def schedulable(self, index: int, grow: Callable[[list[Session]], bool]) -> list[Session]:
         """Who `Scheduler.pick` sees before round `index`, in the order they opened: the sessions without a row, and
         the rows whose step needs a new page or whose window has left a page behind. Those get their steps so far
-        back, and the scheduler picks their step and reserves its page with everyone else's, earliest deadline first,
-        preempting as it would; `keep_reserved` takes back the ones that got their pages."""
+        back, and `grow` gives them their pages at once where the pool has room for everyone's step (returning
+        True); if not, the scheduler picks their step and reserves its page with everyone else's, earliest deadline
+        first, preempting as it would, and `keep_reserved` takes back the ones that got their pages."""
         rows = self._stepping(index)
         self._needy: dict[str, int] = {}
         if not len(rows):
@@ -146,7 +152,12 @@ class DuplexLane:
         if not needy:
             return self.others
         self._give_steps(needy)
-        self._needy = {self.sessions[row].id: row for row in needy}
+        if grow(sessions := [self.sessions[row] for row in needy]):
+            for row, s in zip(needy, sessions, strict=True):
+                self.dropped[row] = s.dropped
+                self._set_pages(row, s.pages)
+            return self.others
+        self._needy = {s.id: row for row, s in zip(needy, sessions, strict=True)}
         return [s for s in self._all if s.id not in self._row_of or s.id in self._needy]
 
     def keep_reserved(self, work: list[Work]) -> list[Work]:
@@ -231,13 +242,29 @@ class DuplexLane:
         """Each row's steps not yet given back go to its session, with the logits of its last step."""
         rows = np.array(rows, dtype=np.int64)
         rows = rows[self.done[rows] > self.given[rows]]
-        k = len(self.delays)
+        if not len(rows):
+            return
+        self._write_model_codes(rows)
         for index, (logits, stepped, now) in enumerate(self._logits):  # by the round of each one's last step
             last = np.sort(rows[self.done[rows] == index + 1])
             if not len(last):
                 continue
             views = logits.unbind()  # (not a gather: that would copy the rows' logits)
-            for row, at in zip(last.tolist(), np.searchsorted(stepped, last).tolist(), strict=True):
-                given, done = int(self.given[row]), int(self.done[row])
-                self.sessions[row].record_steps(self.tokens[row, given + 1 : done + 1, k:], views[at], now)
-                self.given[row] = done
+            steps = (self.done[last] - self.given[last]).tolist()
+            for row, at, n in zip(last.tolist(), np.searchsorted(stepped, last).tolist(), steps, strict=True):
+                self.sessions[row].record_steps(n, views[at], now)
+        self.given[rows] = self.done[rows]
+
+    def _write_model_codes(self, rows: np.ndarray) -> None:
+        """The model codes of the rows' steps not yet given back, into their sessions' model frames: step
+        `start + j`'s codebook k is frame `start + j - delays[k]`'s."""
+        k, sessions = len(self.delays), [self.sessions[r] for r in rows.tolist()]
+        step = np.arange(self.rounds + 1)
+        at, step = np.nonzero((step > self.given[rows, None]) & (step <= self.done[rows, None]))
+        model_start = np.array([s.model.start for s in sessions], dtype=np.int64)
+        offsets = (self.start[rows[at]] + step - model_start[at])[:, None] - self.delays[None, :]
+        if offsets.min() < 0:
+            raise AssertionError("a lane step's model code falls in forgotten frames")
+        self.model_rows.reserve(int((self.start[rows] + self.done[rows] + 2 - model_start).max()))  # as `accept`
+        slab_rows = np.array([s.row for s in sessions], dtype=np.int64)[at]
+        self.model_rows.array[slab_rows[:, None], offsets, np.arange(k)[None, :]] = self.tokens[rows[at], step, k:]

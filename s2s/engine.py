@@ -33,6 +33,7 @@ from s2s.config import FRAME_S, EngineConfig
 from s2s.context import ContextBound
 from s2s.duplex_lane import DuplexLane, LaneRound
 from s2s.events import AudioEvent, CodesEvent, EventQueue, MetaEvent
+from s2s.frames import FrameRows
 from s2s.kv_manager import KVManager
 from s2s.metrics import CostModel, EngineSnapshot, EngineStats
 from s2s.model import S2SModel
@@ -84,12 +85,22 @@ class Engine:
         self.cache = self.kv.cache
         self.runner = self.runner_class(model, self.pool, cfg.max_conversations, cfg.cuda_graphs, cfg.deterministic)
         rows = cfg.max_conversations
+        self.user_rows, self.model_rows = FrameRows(rows, mcfg.num_codebooks), FrameRows(rows, mcfg.num_codebooks)
         self.audio = AudioIO(
-            tokenizer, rows, mcfg.codebook_size, cfg.jitter_buffer_s, self.stats, clock, cfg.deterministic
+            tokenizer,
+            rows,
+            self.user_rows,
+            self.model_rows,
+            mcfg.codebook_size,
+            cfg.jitter_buffer_s,
+            self.stats,
+            clock,
+            cfg.deterministic,
         )
         page_size = cfg.page_size if self.cache.shares_prefixes else None
         self.scheduler = Scheduler(cfg.prefill_budget, cfg.background_budget, page_size)
-        self.lane = DuplexLane(mcfg.delays, self.bound, cfg.frames_per_tick if self.duplex_lane else 0)
+        lane_rounds = cfg.frames_per_tick if self.duplex_lane else 0
+        self.lane = DuplexLane(mcfg.delays, self.bound, lane_rounds, self.user_rows, self.model_rows)
         self.cost = CostModel()
         self.admission = Admission(
             self.cost, cfg.max_conversations, self.kv.capacity, cfg.frames_per_tick, cfg.admission_headroom
@@ -236,6 +247,7 @@ class Engine:
         s = self.registry.close(cid, resumable=False)
         self.sessions.pop(cid, None)
         self.kv.detach(s)
+        s.release_frames()
 
     def event_queue(self, cid: str) -> EventQueue:
         return self.registry.get(cid).events
@@ -293,7 +305,8 @@ class Engine:
         """Round `index`'s work besides the lane's, and pages for both."""
         t = self.clock()
         sessions = list(self.sessions.values())
-        work = self.scheduler.pick(self.lane.schedulable(index), t, prefill=index == 0)
+        schedulable = self.lane.schedulable(index, lambda rows: self.kv.grow_steps(rows, len(self.lane.others)))
+        work = self.scheduler.pick(schedulable, t, prefill=index == 0)
         work = self.kv.reserve(work, lambda s, busy: self._victim(s, sessions, busy))
         work = self.lane.keep_reserved(work)
         self.stats.phase_seconds["schedule"] += self.clock() - t
@@ -446,6 +459,7 @@ class Engine:
             self.kv.attach(s)
         except OutOfPages as e:  # admission counts naive mode's reservations: only pages taken outside it
             return self._fail_open(s, f"no K/V memory for it: {e}")
+        s.hold_frames(self.user_rows, self.model_rows)
         self.audio.reset(s.row)
         self.sessions[s.id] = s
         if not s.turns and (s.mode == "duplex" or s.prompt_frames):
@@ -485,6 +499,7 @@ class Engine:
             self.kv.insert(s, lock=False)
             self.kv.detach(s)
             self._closed_context[s.id] = s.snapshot()
+            s.release_frames()
         s.events.put(None)
 
     def _apply_interrupt(self, s: Session, played_frames: int) -> None:

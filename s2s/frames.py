@@ -3,6 +3,9 @@
 A conversation with a bounded context (`s2s/context.py`) keeps the frames of its attention sink (from frame 0) and
 of its recent window; `forget(keep, start)` drops the ones between, so that its memory stays flat however long it
 runs. Reading or writing a forgotten frame raises `IndexError`.
+
+A live session's recent frames are a row of an engine-wide `FrameRows` (`attach`), so that a tick reads and writes
+those of many sessions by whole-array operations (`DuplexLane`, `AudioIO`); the kept head stays the session's own.
 """
 
 from __future__ import annotations
@@ -12,11 +15,61 @@ import numpy as np
 UNKNOWN = -1
 
 
+class FrameRows:
+    """One stream's recent frames of every live session, a row each: `array` `[rows, capacity, K]`. When a row
+    needs more room, every row grows (doubling), and each attached `Frames` is handed its row of the new array."""
+
+    def __init__(self, rows: int, num_codebooks: int):
+        self.array = np.full((rows, 64, num_codebooks), UNKNOWN, dtype=np.int64)
+        self.attached: dict[int, Frames] = {}
+
+    def reserve(self, capacity: int) -> None:
+        """Room for `capacity` frames in every row."""
+        if capacity <= self.array.shape[1]:
+            return
+        rows, held, k = self.array.shape
+        grown = np.full((rows, max(capacity, 2 * held), k), UNKNOWN, dtype=np.int64)
+        grown[:, :held] = self.array
+        self.array = grown
+        for row, frames in self.attached.items():
+            frames.data = grown[row]
+
+    def read(self, rows: np.ndarray, offsets: np.ndarray, count: int) -> np.ndarray:
+        """`[n, count, K]`: row `rows[i]`'s frames from its index `offsets[i]` on (UNKNOWN past what is held)."""
+        self.reserve(int(offsets.max()) + count if len(rows) else 0)
+        return self.array[rows[:, None], offsets[:, None] + np.arange(count)]
+
+
 class Frames:
     def __init__(self, num_codebooks: int):
         self.head = np.full((0, num_codebooks), UNKNOWN, dtype=np.int64)  # frames 0 .. len(head)-1, once forgetting
         self.data = np.full((64, num_codebooks), UNKNOWN, dtype=np.int64)  # frames start .. start+len(data)-1
         self.start = 0
+        self.rows: FrameRows | None = None  # where `data` is a row, once attached
+        self.row = -1
+
+    def attach(self, rows: FrameRows, row: int) -> None:
+        """From now on `data` is row `row` of `rows` (what that row held is overwritten)."""
+        if row in rows.attached:
+            raise ValueError(f"row {row} holds another stream's frames")
+        rows.reserve(len(self.data))
+        target = rows.array[row]
+        target[: len(self.data)] = self.data
+        target[len(self.data) :] = UNKNOWN
+        self.data, self.rows, self.row = target, rows, row
+        rows.attached[row] = self
+
+    def detach(self) -> None:
+        """`data` is its own again (a copy of its row, which the next session may take)."""
+        if self.rows is not None:
+            del self.rows.attached[self.row]
+            self.data, self.rows, self.row = self.data.copy(), None, -1
+
+    def __deepcopy__(self, memo: dict) -> Frames:
+        """A detached copy."""
+        copy = Frames(self.data.shape[1])
+        copy.head, copy.data, copy.start = self.head.copy(), self.data.copy(), self.start
+        return copy
 
     def __len__(self) -> int:
         """One past the last frame held (known or not)."""
@@ -26,6 +79,8 @@ class Frames:
         """Room for frames up to `frames` - 1 (new ones UNKNOWN)."""
         if frames > self.start + len(self.data):
             size = max(frames - self.start, 2 * len(self.data))
+            if self.rows is not None:
+                return self.rows.reserve(size)
             grown = np.full((size, self.data.shape[1]), UNKNOWN, dtype=np.int64)
             grown[: len(self.data)] = self.data
             self.data = grown
@@ -39,7 +94,12 @@ class Frames:
             self.head = self.data[:keep].copy()
         elif keep != len(self.head):
             raise ValueError(f"frames 0..{len(self.head) - 1} are kept, not 0..{keep - 1}")
-        self.data = self.data[start - self.start :].copy()  # what is held from there, room to grow included
+        if self.rows is None:
+            self.data = self.data[start - self.start :].copy()  # what is held from there, room to grow included
+        else:  # moved to the row's front
+            held = max(0, len(self.data) - (start - self.start))
+            self.data[:held] = self.data[len(self.data) - held :]
+            self.data[held:] = UNKNOWN
         self.start = start
 
     def truncate(self, frame: int) -> None:
@@ -47,7 +107,12 @@ class Frames:
         if frame < self.start:
             if frame > len(self.head):
                 raise IndexError(f"frames {len(self.head)}..{self.start - 1} are forgotten: cannot cut at {frame}")
-            self.data = np.full((max(64, 2 * frame), self.data.shape[1]), UNKNOWN, dtype=np.int64)
+            size = max(64, 2 * frame)
+            if self.rows is None:
+                self.data = np.full((size, self.data.shape[1]), UNKNOWN, dtype=np.int64)
+            else:
+                self.rows.reserve(size)
+                self.data[:] = UNKNOWN
             self.data[:frame] = self.head[:frame]
             self.head, self.start = self.head[:0], 0
         else:

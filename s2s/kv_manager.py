@@ -225,17 +225,31 @@ class KVManager:
                 break
         return kept
 
+    def grow_steps(self, sessions: list[Session], spare: int) -> bool:
+        """Pages for one step of each session at once (the window slid first, as `reserve` does), where the free
+        pages cover them and one more for each of `spare` others: no step is short then, whatever order `reserve`
+        would take them in. False, with nothing done, if they do not."""
+        ps = self.page_size
+        need = sum(max(0, -(-(s.computed + 1) // ps) - s.table_pages) for s in sessions)  # (a slide keeps these)
+        if need + spare > self.pool.num_free:
+            return False
+        for s in sessions:
+            self.slide(s)
+            self._grow(s, 1)
+        return True
+
     def _grow(self, s: Session, steps: int) -> None:
         """Pages for `steps` steps from `computed`, or `OutOfPages` with nothing taken."""
         need = math.ceil((s.computed + steps) / self.page_size) - s.table_pages
         if need <= 0:
             return
-        in_table = set(s.pages)
-        take = [p for p in s.own_pages if p not in in_table][:need]  # naive: reserved up front
-        new = take + (self.cache.alloc(need - len(take)) if need > len(take) else [])
-        s.pages += new
-        owned = set(s.own_pages)
-        s.own_pages += [p for p in new if p not in owned]
+        take = []
+        if self.reserves:  # naive: its pages were reserved at open
+            in_table = set(s.pages)
+            take = [p for p in s.own_pages if p not in in_table][:need]
+        new = self.cache.alloc(need - len(take)) if need > len(take) else []
+        s.pages += take + new
+        s.own_pages += new
 
     def preempt(self, s: Session) -> None:
         """Give back a session's pages and recompute its K/V later (its frames are kept). Its full pages go to the

@@ -22,7 +22,7 @@ import torch
 from s2s.config import ModelConfig
 from s2s.context import ContextBound
 from s2s.events import EventQueue
-from s2s.frames import UNKNOWN, Frames
+from s2s.frames import UNKNOWN, FrameRows, Frames
 from s2s.sampling import SamplingParams
 from s2s.turns import Phase, Turn, TurnLifecycle
 
@@ -132,6 +132,15 @@ class Session(TurnLifecycle):
 
     # ---- frames --------------------------------------------------------------------------------------------------
 
+    def hold_frames(self, user: FrameRows, model: FrameRows) -> None:
+        """While it is live, its streams' recent frames are its row of the engine's (`FrameRows`)."""
+        self.user.attach(user, self.row)
+        self.model.attach(model, self.row)
+
+    def release_frames(self) -> None:
+        self.user.detach()
+        self.model.detach()
+
     def _ensure(self, frames: int) -> None:
         self.user.ensure(frames)
         self.model.ensure(frames)
@@ -157,6 +166,11 @@ class Session(TurnLifecycle):
             self.user[f : f + n] = codes.T
         if self.mode == "turn" and self.phase is Phase.LISTEN:
             self.model[f : f + n] = self.cfg.silent_id
+        self.user_frames += n
+
+    def heard_in_rows(self, n: int, now: float) -> None:
+        """Duplex: `n` new user frames, which the caller has written into its row (`AudioIO`, for many at once)."""
+        self.heard_at(now)
         self.user_frames += n
 
     def step_token(self, t: int) -> np.ndarray | None:
@@ -329,30 +343,30 @@ class Session(TurnLifecycle):
             else:
                 model[f, k] = codes[k]
 
-    def record_steps(self, codes: np.ndarray, logits: torch.Tensor, now: float) -> None:
-        """`len(codes)` decode steps from `computed` on were computed and sampled (`DuplexLane`): `codes[j]` `[K]`
-        are step `computed + 1 + j`'s model codes, and `logits` the last step's."""
-        n, t = len(codes), self.computed
-        self.model.ensure(t + n + 2)  # (its user frames are all in: the steps were known)
-        data, start = self.model.data, self.model.start
-        for k, d in self.codebook_delays:
-            data[t + 1 - d - start : t + 1 - d - start + n, k] = codes[:, k]
-        self.advance(n)
+    def record_steps(self, steps: int, logits: torch.Tensor, now: float) -> None:
+        """`steps` decode steps from `computed` on were computed and sampled (`DuplexLane`, which wrote their model
+        codes into its rows), `logits` the last step's."""
+        t = self.computed
+        self.advance(steps)
         self.last_logits, self.last_active = logits, now
-        # every codebook of frame t + n - max_delay is known now, and of each before it (steps up to t were known)
-        self.complete = max(self.complete, t + n + 1 - self.max_delay)
+        # every codebook of frame t + steps - max_delay is known now, and of each before it (steps up to t were known)
+        self.complete = max(self.complete, t + steps + 1 - self.max_delay)
 
     def complete_model_frames(self) -> int:
         """Model frames whose every codebook is known, counted from frame 0 (contiguous)."""
-        model = self.model
-        while self.complete < len(model):
-            if model.forgotten(self.complete):
-                self.complete = model.start  # forgotten frames were all complete
-            elif UNKNOWN in model[self.complete].tolist():
+        model, complete = self.model, self.complete
+        while complete < len(model):
+            if complete >= model.start:  # (the usual read: a recent frame)
+                if UNKNOWN in model.data[complete - model.start].tolist():
+                    break
+            elif model.forgotten(complete):
+                complete = model.start  # forgotten frames were all complete
+                continue
+            elif UNKNOWN in model[complete].tolist():
                 break
-            else:
-                self.complete += 1
-        return self.complete
+            complete += 1
+        self.complete = complete
+        return complete
 
     # ---- the turn lifecycle --------------------------------------------------------------------------------------
 

@@ -40,15 +40,19 @@ class TurnLifecycle:
     def hear(self, codes: np.ndarray, now: float) -> None:
         """New user frames `[K, n]` from the encoder (or pushed as codes). In turn mode, speech after an answered
         turn opens the next turn; while a reply plays, it is held."""
-        if self.first_frame_at is None:
-            self.first_frame_at = now
-        self.last_heard = now
+        self.heard_at(now)
         if self.mode == "turn" and self.phase is Phase.REPLY:
             self.held.append(codes)
             return
         if self.mode == "turn" and (not self.turns or self._closed(self.turns[-1])):
             self.turns.append(Turn(len(self.turns), self.user_frames, times={"first_audio_in": now}))
         self.add_user_frames(codes)
+
+    def heard_at(self, now: float) -> None:
+        """User frames reached the engine at `now`."""
+        if self.first_frame_at is None:
+            self.first_frame_at = now
+        self.last_heard = now
 
     @staticmethod
     def _closed(turn: Turn) -> bool:
