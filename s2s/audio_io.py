@@ -13,10 +13,11 @@ import numpy as np
 import torch
 
 from codec import EncodecTokenizer
+from s2s.config import FRAME_S
 from s2s.events import AudioEvent, CodesEvent
 from s2s.frames import FrameRows
 from s2s.metrics import EngineStats
-from s2s.scheduler import first_audio_due, frame_deadline
+from s2s.scheduler import first_audio_due
 from s2s.session import Session
 from s2s.turns import Phase
 
@@ -117,19 +118,24 @@ class AudioIO:
                 codes = np.where(codes < self.codebook_size, codes, self.silence_codes[None, :, None])
                 out = self.decoder.push(torch.from_numpy(codes), [s.row for s, _, _ in items]).cpu().numpy()
             now = self.clock()
+            event = AudioEvent if self.decoder is not None else CodesEvent
             for (s, a, b), audio in zip(items, out, strict=True):
-                self._send(s, a, b, audio, now)
+                s.emitted = b
+                turn = s.turns[-1]
+                turn.times.setdefault("first_audio_out", now)
+                s.events.put(event(s.id, turn.id, a, audio, dict(turn.times)))
+            self._count_late([item for item in items if item[0].mode == "duplex"], length, now)
 
-    def _send(self, s: Session, first: int, stop: int, audio: np.ndarray, now: float) -> None:
-        s.emitted = stop
-        turn = s.turns[-1]
-        turn.times.setdefault("first_audio_out", now)
-        if s.mode == "duplex" and now > frame_deadline(s, stop - 1, self.jitter_buffer_s):  # (deadlines rise)
-            late = sum(now > frame_deadline(s, f, self.jitter_buffer_s) for f in range(first, stop))
-            s.deadline_misses += late
-            self.stats.deadline_misses += late
-        event = AudioEvent if self.decoder is not None else CodesEvent
-        s.events.put(event(s.id, turn.id, first, audio, dict(turn.times)))
+    def _count_late(self, items: list[tuple[Session, int, int]], length: int, now: float) -> None:
+        """Duplex frames sent after their deadline (`frame_deadline`, for every frame of every item at once)."""
+        if not items:
+            return
+        arrived = np.array([s.first_frame_at for s, _, _ in items], dtype=np.float64)
+        since = np.array([a - s.prompt_frames for s, a, _ in items], dtype=np.int64)[:, None] + np.arange(length)
+        late = (now > arrived[:, None] + (since + 1) * FRAME_S + self.jitter_buffer_s).sum(1)
+        for i in np.flatnonzero(late).tolist():
+            items[i][0].deadline_misses += int(late[i])
+        self.stats.deadline_misses += int(late.sum())
 
     @staticmethod
     def _sendable(s: Session) -> tuple[int, int]:

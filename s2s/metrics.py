@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from cache import CacheStats
+from s2s.session import Session
 
 
 class CostModel:
@@ -120,4 +121,8 @@ class EngineSnapshot:
     conversations: int
     cache: CacheStats
     stats: EngineStats
-    sessions: list[dict]
+    session_rows: list[tuple]  # each session's `Session.STATS` values: a tuple a tick, dicts only for a reader
+
+    @property
+    def sessions(self) -> list[dict]:
+        return [dict(zip(Session.STATS, row, strict=True)) for row in self.session_rows]

@@ -416,16 +416,30 @@ class Session(TurnLifecycle):
             self.computed = max(0, frame - 1)
             self.last_logits = None
 
-    def stats(self) -> dict:
-        return {
-            "session": self.id,
-            "mode": self.mode,
-            "phase": self.phase.value,
-            "turn": self.turns[-1].id if self.turns else 0,
-            "steps": self.computed,
-            "pages": len(self.pages),
-            "own_pages": len(self.own_pages),
-            "cached_steps_at_open": self.cached_at_open,
-            "frames_out": self.emitted,
-            "deadline_misses": self.deadline_misses,
-        }
+    STATS = (
+        "session",
+        "mode",
+        "phase",
+        "turn",
+        "steps",
+        "pages",
+        "own_pages",
+        "cached_steps_at_open",
+        "frames_out",
+        "deadline_misses",
+    )
+
+    def stats(self) -> tuple:
+        """Its `STATS`, in order."""
+        return (
+            self.id,
+            self.mode,
+            self.phase.value,
+            self.turns[-1].id if self.turns else 0,
+            self.computed,
+            len(self.pages),
+            len(self.own_pages),
+            self.cached_at_open,
+            self.emitted,
+            self.deadline_misses,
+        )
