@@ -28,9 +28,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from s2s.batch import page_table
 from s2s.context import ContextBound
 from s2s.frames import UNKNOWN, FrameRows
+from s2s.page_tables import PageTables
 from s2s.sampling import RandomStream, SamplingParams
 from s2s.scheduler import Work
 from s2s.session import Session
@@ -53,11 +53,14 @@ class LaneRound:
 
 
 class DuplexLane:
-    def __init__(self, delays: list[int], bound: ContextBound, rounds: int, user: FrameRows, model: FrameRows):
-        """`rounds`: a tick's rounds (0: the lane takes no rows); `user`, `model`: every live session's recent frames
-        (each session's its own row), which rows are read from and written to."""
+    def __init__(
+        self, delays: list[int], bound: ContextBound, rounds: int, user: FrameRows, model: FrameRows, tables: PageTables
+    ):
+        """`rounds`: a tick's rounds (0: the lane takes no rows); `user`, `model`: every live session's recent frames,
+        which rows are read from and written to, and `tables` its page table (`KVManager`'s), each session's its
+        own row (`Session.row`)."""
         self.delays, self.bound, self.rounds = np.asarray(delays), bound, rounds
-        self.user_rows, self.model_rows = user, model
+        self.user_rows, self.model_rows, self.page_tables = user, model, tables
         self.max_delay = int(self.delays.max())
         self.sessions: list[Session] = []  # the rows' sessions
         self.others: list[Session] = []  # the tick's other sessions, in the order they opened: the scheduler's
@@ -100,9 +103,7 @@ class DuplexLane:
         self.start = np.array([s.computed for s in rows], dtype=np.int64)
         self.sink = np.array([s.sink for s in rows], dtype=np.int64)
         self.dropped = np.array([s.dropped for s in rows], dtype=np.int64)
-        pages = [s.pages for s in rows]
-        self.lengths = np.fromiter(map(len, pages), dtype=np.int64, count=len(pages))
-        self.table = page_table(pages)
+        self.table_rows = np.array([s.row for s in rows], dtype=np.int64)  # its session's row in `page_tables`
         self.params: list[SamplingParams] = [s.sampling for s in rows]
         self.streams: list[RandomStream] = [s.generator for s in rows]
         self.done = np.zeros(len(rows), dtype=np.int64)  # rounds each row has stepped
@@ -144,7 +145,8 @@ class DuplexLane:
         self._needy: dict[str, int] = {}
         if not len(rows):
             return self.others
-        ps, sink, dropped, lengths = self.bound.page_size, self.sink[rows], self.dropped[rows], self.lengths[rows]
+        ps, sink, dropped = self.bound.page_size, self.sink[rows], self.dropped[rows]
+        lengths = self.page_tables.lengths[self.table_rows[rows]]
         computed = self.start[rows] + index
         need = -(-(computed + 1) // ps) - (lengths + np.where(lengths >= sink, dropped, 0))
         drop = np.maximum(computed // ps - self.bound.window_pages + 1 - sink, 0) - dropped  # `KVManager.slide`'s
@@ -155,7 +157,6 @@ class DuplexLane:
         if grow(sessions := [self.sessions[row] for row in needy]):
             for row, s in zip(needy, sessions, strict=True):
                 self.dropped[row] = s.dropped
-                self._set_pages(row, s.pages)
             return self.others
         self._needy = {s.id: row for row, s in zip(needy, sessions, strict=True)}
         return [s for s in self._all if s.id not in self._row_of or s.id in self._needy]
@@ -170,19 +171,12 @@ class DuplexLane:
         for w in work:
             if (row := self._needy.pop(w.session.id, None)) is not None and w.session.id in self._row_of:
                 self.dropped[row] = w.session.dropped
-                self._set_pages(row, w.session.pages)
             else:
                 kept.append(w)
         for cid, row in self._needy.items():
             if cid in self._row_of:
                 self._leave(row)
         return kept
-
-    def _set_pages(self, row: int, pages: list[int]) -> None:
-        if len(pages) > self.table.shape[1]:
-            self.table = np.pad(self.table, ((0, 0), (0, len(pages) - self.table.shape[1])))
-        self.table[row, : len(pages)] = pages
-        self.lengths[row] = len(pages)
 
     def _leave(self, row: int) -> None:
         """The row steps no more this tick: the scheduler has its session from now on."""
@@ -203,11 +197,13 @@ class DuplexLane:
         # `Session.visible`, for rows past their sink: the sink's pages, then the window's
         hidden = np.maximum(np.maximum(computed // ps - self.bound.window_pages + 1 - sink, 0), dropped)
         skip = np.where(hidden > 0, hidden - dropped, 0)  # table pages before the window, after the sink
-        columns = np.arange(self.table.shape[1])
-        source = np.where(columns < sink[:, None], columns, columns + skip[:, None])
-        lengths = self.lengths[rows] - skip
-        pages = np.take_along_axis(self.table[rows], np.minimum(source, self.table.shape[1] - 1), axis=1)
-        table = np.where(columns < lengths[:, None], pages, 0).astype(np.int32)
+        table, lengths = self.page_tables.read(self.table_rows[rows])
+        if skip.any():  # (the usual round has every row's window slid as its step was scheduled)
+            columns = np.arange(table.shape[1])
+            source = np.where(columns < sink[:, None], columns, columns + skip[:, None])
+            lengths = lengths - skip
+            pages = np.take_along_axis(table, np.minimum(source, table.shape[1] - 1), axis=1)
+            table = np.where(columns < lengths[:, None], pages, 0).astype(np.int32)
         return LaneRound(index, rows, self.tokens[rows, index], computed - hidden * ps, table, lengths, hidden * ps)
 
     def sampling(self, r: LaneRound) -> tuple[list[SamplingParams], list[RandomStream]]:

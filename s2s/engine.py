@@ -81,7 +81,7 @@ class Engine:
         self.stats = EngineStats()
         self.bound = ContextBound.of(cfg.max_context, cfg.page_size, cfg.max_reply_frames, mcfg.max_delay)
         self._check_in_range(1)
-        self.kv = KVManager(self.pool, cfg.cache_mode, self.bound, self.stats)
+        self.kv = KVManager(self.pool, cfg.cache_mode, self.bound, self.stats, cfg.max_conversations)
         self.cache = self.kv.cache
         self.runner = self.runner_class(model, self.pool, cfg.max_conversations, cfg.cuda_graphs, cfg.deterministic)
         rows = cfg.max_conversations
@@ -100,7 +100,7 @@ class Engine:
         page_size = cfg.page_size if self.cache.shares_prefixes else None
         self.scheduler = Scheduler(cfg.prefill_budget, cfg.background_budget, page_size)
         lane_rounds = cfg.frames_per_tick if self.duplex_lane else 0
-        self.lane = DuplexLane(mcfg.delays, self.bound, lane_rounds, self.user_rows, self.model_rows)
+        self.lane = DuplexLane(mcfg.delays, self.bound, lane_rounds, self.user_rows, self.model_rows, self.kv.tables)
         self.cost = CostModel()
         self.admission = Admission(
             self.cost, cfg.max_conversations, self.kv.capacity, cfg.frames_per_tick, cfg.admission_headroom

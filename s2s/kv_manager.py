@@ -24,14 +24,17 @@ from collections.abc import Callable, Iterable
 from cache import MatchResult, OutOfPages, PagePool, make_cache
 from s2s.context import ContextBound
 from s2s.metrics import EngineStats
+from s2s.page_tables import PageTables
 from s2s.scheduler import Work
 from s2s.session import Session
 from s2s.turns import Phase
 
 
 class KVManager:
-    def __init__(self, pool: PagePool, cache_mode: str, bound: ContextBound, stats: EngineStats):
+    def __init__(self, pool: PagePool, cache_mode: str, bound: ContextBound, stats: EngineStats, rows: int):
+        """`rows`: sessions' rows (`Session.row`) in `tables`, which mirrors each session's `pages`."""
         self.pool, self.cache, self.stats, self.bound = pool, make_cache(cache_mode, pool), stats, bound
+        self.tables = PageTables(rows)
         self.page_size = pool.page_size
         self.reserves = self.cache.pages_on_open(1) > 0  # naive: every page a session may hold, at open
         self.inserts = 0  # prefix-cache inserts so far: a session re-matches only after new ones
@@ -56,6 +59,7 @@ class KVManager:
             s.own_pages += s.pages[len(m.pages) :]
             self.cache.record_hits(s.computed - m.cached_steps, s.computed - m.cached_steps)
             s.cached_at_open = s.computed
+            self.tables.set(s.row, s.pages)
         if self.reserves:
             try:
                 s.own_pages += self.cache.alloc(max(0, self.bound.max_pages(s.sink, s.mode) - len(s.pages)))
@@ -66,6 +70,7 @@ class KVManager:
     def detach(self, s: Session) -> None:
         self.cache.release(s.own_pages)
         s.own_pages, s.pages = [], []
+        self.tables.set(s.row, [])
         if s.handle is not None:
             self.cache.unlock(s.handle)
             s.handle = None
@@ -124,6 +129,7 @@ class KVManager:
             s.own_pages = [p for p in s.own_pages if p not in gone] + table[len(m.pages) :]
             self.cache.record_hits(cached - s.computed, max(0, min(cached, s.open_key_steps) - s.computed))
             s.pages, s.computed, s.last_logits = table, cached, None
+            self.tables.set(s.row, s.pages)
 
     def trim(self, s: Session) -> None:
         """After a rewind (`Session.rewind`): the pages past `computed` go back to the pool, and a page the cut falls
@@ -157,6 +163,7 @@ class KVManager:
             gone = set(released)
             s.own_pages = [p for p in s.own_pages if p not in gone]
             self.cache.release(released)
+        self.tables.set(s.row, s.pages)
 
     def slide(self, s: Session) -> None:
         """Give back the pages that left the session's window (`ContextBound.keep_from`) and forget their frames.
@@ -169,11 +176,13 @@ class KVManager:
             self._lock_sink_only(s)
         gone = s.pages[s.sink : s.sink + drop]
         del s.pages[s.sink : s.sink + drop]
+        self.tables.delete(s.row, s.sink, drop)
         s.dropped += drop
         if not self.reserves:
-            released = set(gone) & set(s.own_pages)
-            s.own_pages = [p for p in s.own_pages if p not in released]
-            self.cache.release(list(released))
+            released = [p for p in gone if p in s.own_pages]  # (a page or two a slide: list scans, not sets)
+            for p in released:
+                s.own_pages.remove(p)
+            self.cache.release(released)
         first = (s.sink + s.dropped) * ps - s.cfg.max_delay  # the first frame its steps from there read
         s.user.forget(s.sink * ps, first)
         s.model.forget(s.sink * ps, first)
@@ -250,6 +259,7 @@ class KVManager:
         new = self.cache.alloc(need - len(take)) if need > len(take) else []
         s.pages += take + new
         s.own_pages += new
+        self.tables.append(s.row, take + new)
 
     def preempt(self, s: Session) -> None:
         """Give back a session's pages and recompute its K/V later (its frames are kept). Its full pages go to the

@@ -71,12 +71,13 @@ def close(kv: KVManager, s: Session) -> None:
 def run(mode: str, usable: int):
     """Serve the workload with up to 4 sessions open at once; returns the cache's stats."""
     pool = PagePool(LAYERS, HEADS, DIM, page_size=PAGE, num_pages=usable + 1)
-    kv = KVManager(pool, mode, BOUND, EngineStats())
+    sessions = workload()
+    kv = KVManager(pool, mode, BOUND, EngineStats(), rows=len(sessions))
     open_sessions: list[Session] = []
-    for i, (prompt, turns) in enumerate(workload()):
+    for i, (prompt, turns) in enumerate(sessions):
         if len(open_sessions) == 4:
             close(kv, open_sessions.pop(0))
-        s = Session(f"s{i}", "turn", CFG, SamplingParams(seed=0), row=0, now=0.0, bound=BOUND)
+        s = Session(f"s{i}", "turn", CFG, SamplingParams(seed=0), row=i, now=0.0, bound=BOUND)
         s.set_prompt(prompt)
         while True:
             try:
@@ -94,6 +95,8 @@ def run(mode: str, usable: int):
         for turn in turns:
             s.add_user_frames(turn)
             compute(kv, s, open_sessions)
+            for o in open_sessions:  # `KVManager.tables` mirrors each session's page list
+                assert kv.tables.array[o.row, : kv.tables.lengths[o.row]].tolist() == o.pages
     for s in open_sessions:
         close(kv, s)
     kv.cache.check()

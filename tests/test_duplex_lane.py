@@ -89,6 +89,10 @@ def run(engine_class: type[Engine], model: S2SModel, num_pages: int, seed: int, 
             for s in engine.sessions.values()
         )
         assert engine._behind() == behind, tick
+        for s in engine.sessions.values():  # `KVManager.tables` mirrors each session's page list
+            table = engine.kv.tables
+            assert table.array[s.row, : table.lengths[s.row]].tolist() == s.pages, (tick, s.id)
+            assert not table.array[s.row, table.lengths[s.row] :].any(), (tick, s.id)
         ahead[0] += behind
     events = {}
     for cid in [*cids, *turns]:
