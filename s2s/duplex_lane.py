@@ -245,10 +245,9 @@ class DuplexLane:
             last = np.sort(rows[self.done[rows] == index + 1])
             if not len(last):
                 continue
-            views = logits.unbind()  # (not a gather: that would copy the rows' logits)
             steps = (self.done[last] - self.given[last]).tolist()
             for row, at, n in zip(last.tolist(), np.searchsorted(stepped, last).tolist(), steps, strict=True):
-                self.sessions[row].record_steps(n, views[at], now)
+                self.sessions[row].record_steps(n, logits, at, now)
         self.given[rows] = self.done[rows]
 
     def _write_model_codes(self, rows: np.ndarray) -> None:

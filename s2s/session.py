@@ -15,6 +15,7 @@ reply starts, is cut by a barge-in, ends, is regenerated) is `TurnLifecycle`'s (
 from __future__ import annotations
 
 import copy
+from types import EllipsisType
 
 import numpy as np
 import torch
@@ -65,7 +66,7 @@ class Session(TurnLifecycle):
         self.paused = False  # its stream is stopped: nothing is computed for it
         self.own_pages: list[int] = []  # pages this conversation allocated (it holds a reference on each)
         self.handle = None  # the cache handle it holds locked
-        self.last_logits: torch.Tensor | None = None  # logits of step `computed`, from the last forward
+        self._last_logits: tuple[torch.Tensor, int | EllipsisType] | None = None  # (a forward's logits, its row)
         self.phase = Phase.LISTEN
         self.turns: list[Turn] = []
         self.emitted = 0  # model frames handed to the audio decoder (duplex) or considered for it (turn)
@@ -82,6 +83,15 @@ class Session(TurnLifecycle):
         self.open_key_steps = 0  # steps known when it opened (what the first match looked up)
         self.seen_inserts = -1  # `KVManager.inserts` when this session last matched
         self.deadline_misses = 0  # duplex frames sent after their deadline (`AudioIO`)
+
+    @property
+    def last_logits(self) -> torch.Tensor | None:
+        """Logits of step `computed`, from the last forward (its row of the batch's, taken when read)."""
+        return None if self._last_logits is None else self._last_logits[0][self._last_logits[1]]
+
+    @last_logits.setter
+    def last_logits(self, logits: torch.Tensor | None) -> None:
+        self._last_logits = None if logits is None else (logits, ...)
 
     def streaming(self, now: float) -> bool:
         """It costs a real-time stream now: it replies, or its user's audio came in within the last second (read
@@ -343,12 +353,12 @@ class Session(TurnLifecycle):
             else:
                 model[f, k] = codes[k]
 
-    def record_steps(self, steps: int, logits: torch.Tensor, now: float) -> None:
+    def record_steps(self, steps: int, logits: torch.Tensor, row: int, now: float) -> None:
         """`steps` decode steps from `computed` on were computed and sampled (`DuplexLane`, which wrote their model
-        codes into its rows), `logits` the last step's."""
+        codes into its rows); row `row` of `logits` is the last step's."""
         t = self.computed
         self.advance(steps)
-        self.last_logits, self.last_active = logits, now
+        self._last_logits, self.last_active = (logits, row), now
         # every codebook of frame t + steps - max_delay is known now, and of each before it (steps up to t were known)
         self.complete = max(self.complete, t + steps + 1 - self.max_delay)
 
