@@ -1,6 +1,6 @@
 """The engine's own work per tick (everything but the model's forward and sampling) against live conversations.
 
-    s2s bench host-overhead [--quick] [--ticks T] [--json PATH] [--plot PATH]
+    s2s bench host-overhead [--quick] [--ticks T] [--warmup W] [--json PATH] [--plot PATH]
 
 An engine on `tiny` with seeded weights, codec-free (two codebooks of 1024 codes, the 1.5 kbps codec's shape: the
 codec's calls are not the engine's bookkeeping), with N duplex conversations, N in 16, 64, 256, 512 (`--quick`: 16
@@ -9,8 +9,9 @@ and 64). Each is fed 4 frames of codes a tick, as the server's ticks take them, 
 its wall time, the time inside `ModelRunner.forward` and `ModelRunner.sample` (timed around them), and the rest,
 which is host work, also as the engine thread's CPU time (`time.thread_time`: on a shared machine, what another
 process's load does not inflate): taking commands, scheduling, the prefix cache's re-match and inserts, page
-reservation, the per-conversation loops, events, the snapshot and the loop's check. The first ticks (while each
-conversation's first frames go in) are not counted. A second table splits the host CPU by phase (`PHASES`: each timed
+reservation, the per-conversation loops, events, the snapshot and the loop's check. The first `--warmup` ticks
+(default 3: while each conversation's first frames go in; 600: until every window of 2250 steps is full and pages
+leave it) are not counted. A second table splits the host CPU by phase (`PHASES`: each timed
 around the engine method that does it, less any forward or sampling inside), so that what grows with N shows.
 
 Each N runs twice: on the model's forward and sampling, and on a stand-in that hands back logits and codes of the
@@ -35,7 +36,6 @@ from s2s.engine import Engine, EngineConfig
 from server.gc_pause import freeze_startup_heap
 
 FRAMES_PER_TICK = 4
-WARMUP_TICKS = 3
 FORWARDS = ("model", "stand-in")
 
 
@@ -52,14 +52,14 @@ PHASES = {  # where the engine thread's host CPU goes: (object, method) wrapped,
 }
 
 
-def measure(model: S2SModel, n: int, ticks: int, forward: str) -> dict:
+def measure(model: S2SModel, n: int, ticks: int, forward: str, warmup: int = 3) -> dict:
     """`forward`: "model" (the tiny model's forward and sampling, on this CPU), or "stand-in" (logits and codes of
     the same shapes, made at once: the host work without the cache the CPU forward evicts, as beside a GPU's)."""
     cfg = EngineConfig(
         frames_per_tick=FRAMES_PER_TICK,
         calibration_ticks=0,
         max_conversations=n,
-        num_pages=n * ((WARMUP_TICKS + ticks) * FRAMES_PER_TICK // 16 + 4),  # each one's frames, and room
+        num_pages=n * ((warmup + ticks) * FRAMES_PER_TICK // 16 + 4),  # each one's frames, and room
     )
     engine = Engine(model, None, cfg)
     freeze_startup_heap()  # as `s2s serve` does once started: full passes walk only what is made after
@@ -91,9 +91,9 @@ def measure(model: S2SModel, n: int, ticks: int, forward: str) -> dict:
         setattr(owners[owner], method, timed(getattr(owners[owner], method), phase))
     rng = np.random.default_rng(0)
     cids = [engine.open("duplex", sampling=SamplingParams(seed=i), admit=False) for i in range(n)]
-    user = rng.integers(0, 1024, (2, FRAMES_PER_TICK * (WARMUP_TICKS + ticks)))
+    user = rng.integers(0, 1024, (2, FRAMES_PER_TICK * (warmup + ticks)))
     tick_s, model_s, host_cpu_s, phases = [], [], [], []
-    for t in range(WARMUP_TICKS + ticks):
+    for t in range(warmup + ticks):
         frames = user[:, t * FRAMES_PER_TICK : (t + 1) * FRAMES_PER_TICK]
         for cid in cids:
             engine.push_codes(cid, frames)
@@ -107,7 +107,7 @@ def measure(model: S2SModel, n: int, ticks: int, forward: str) -> dict:
             q = engine.event_queue(cid)
             while q.qsize():
                 q.get_nowait()
-        if t >= WARMUP_TICKS:
+        if t >= warmup:
             tick_s.append(elapsed)
             model_s.append(inside[0])
             host_cpu_s.append(cpu - inside[1])
@@ -119,6 +119,7 @@ def measure(model: S2SModel, n: int, ticks: int, forward: str) -> dict:
         "conversations": n,
         "forward": forward,
         "ticks": ticks,
+        "warmup_ticks": warmup,
         "tick_ms_p50": float(np.percentile(tick, 50)),
         "model_ms_p50": float(np.percentile(model_ms, 50)),
         "host_ms_p50": float(np.percentile(host, 50)),
@@ -135,13 +136,21 @@ def measure(model: S2SModel, n: int, ticks: int, forward: str) -> dict:
 def main(argv: list[str] | None = None) -> None:
     p = parser("host-overhead", __doc__.splitlines()[0])
     p.add_argument("--ticks", type=int, default=20, help="ticks measured at each N")
+    p.add_argument("--warmup", type=int, default=3, help="ticks run before those, at each N")
     args = p.parse_args(argv)
     levels = [16, 64] if args.quick else [16, 64, 256, 512]
     model = S2SModel.from_seed(ModelConfig.preset("tiny", num_codebooks=2), seed=0)
     env, rows = environment(), []
     for forward in FORWARDS:
         for n in levels:
-            rows.append({"bench": "host-overhead", "preset": "tiny", **measure(model, n, args.ticks, forward), **env})
+            rows.append(
+                {
+                    "bench": "host-overhead",
+                    "preset": "tiny",
+                    **measure(model, n, args.ticks, forward, args.warmup),
+                    **env,
+                }
+            )
             print(rows[-1], flush=True)
             write_json(args.json, rows)
     columns = [
@@ -158,7 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     title = (
         f"Engine host work per tick, {FRAMES_PER_TICK}-frame ticks, N duplex conversations (tiny, codec-free, "
-        f"{env['torch_threads']} torch threads, {args.ticks} ticks each)"
+        f"{env['torch_threads']} torch threads, {args.ticks} ticks each after {args.warmup})"
     )
     tables = print_table(title, rows, columns)
     phase_columns = [("conversations", "N"), ("forward", "forward")] + [(f"cpu_ms_{p}", p) for p in [*PHASES, "other"]]
