@@ -76,12 +76,20 @@ class AudioIO:
         now = self.clock()
         duplex: dict[int, list[tuple[Session, np.ndarray]]] = {}  # by frame count
         for s, codes in heard:
-            if s.mode == "duplex":
+            if s.mode == "duplex" and self._fit(s, codes.shape[1]):
                 duplex.setdefault(codes.shape[1], []).append((s, codes))
             else:
                 s.hear(codes, now)
         for n, items in duplex.items():
             self._hear_duplex(n, items, now)
+
+    def _fit(self, s: Session, n: int) -> bool:
+        """Its streams' recent frames are rows of the engine's, with room in them for `n` more (and the next)."""
+        return (
+            s.user.rows is not None
+            and s.model.rows is not None
+            and s.user_frames + n + 1 - min(s.user.start, s.model.start) <= self.user_frames.limit
+        )
 
     def _hear_duplex(self, n: int, items: list[tuple[Session, np.ndarray]], now: float) -> None:
         """`Session.hear` of duplex sessions' `n` new frames each, written into their rows at once."""
@@ -107,11 +115,7 @@ class AudioIO:
             if stop > start:
                 groups.setdefault(stop - start, []).append((s, start, stop))
         for length, items in groups.items():
-            rows = np.array([s.row for s, _, _ in items], dtype=np.int64)
-            offsets = np.array([a - s.model.start for s, a, _ in items], dtype=np.int64)
-            if offsets.min() < 0:
-                raise IndexError("frames to send were forgotten")
-            codes = self.model_frames.read(rows, offsets, length).transpose(0, 2, 1)
+            codes = self._frames_to_send(items, length)
             if self.decoder is None:
                 out = codes  # codec-free: the sampled ids themselves
             else:
@@ -125,6 +129,16 @@ class AudioIO:
                 turn.times.setdefault("first_audio_out", now)
                 s.events.put(event(s.id, turn.id, a, audio, dict(turn.times)))
             self._count_late([item for item in items if item[0].mode == "duplex"], length, now)
+
+    def _frames_to_send(self, items: list[tuple[Session, int, int]], length: int) -> np.ndarray:
+        """`[n, K, length]`: each item's model frames `a..b-1`, read from the rows at once where they all are."""
+        if any(s.model.rows is None for s, _, _ in items):
+            return np.stack([s.model[a:b].T for s, a, b in items])
+        rows = np.array([s.row for s, _, _ in items], dtype=np.int64)
+        offsets = np.array([a - s.model.start for s, a, _ in items], dtype=np.int64)
+        if offsets.min() < 0:
+            raise IndexError("frames to send were forgotten")
+        return self.model_frames.read(rows, offsets, length).transpose(0, 2, 1)
 
     def _count_late(self, items: list[tuple[Session, int, int]], length: int, now: float) -> None:
         """Duplex frames sent after their deadline (`frame_deadline`, for every frame of every item at once)."""

@@ -81,14 +81,23 @@ class DuplexLane:
                 and not s.paused
                 and first >= max(s.user.start, s.model.start)  # reads only recent frames
                 and not (s.dropped and s.computed < s.sink * self.bound.page_size)  # not recomputing its sink (a gap)
+                and s.user.rows is not None  # its recent frames are rows of the engine's (not too many of them)
+                and s.model.rows is not None
             ):
                 candidates.append(s)
         self._all, self.sessions, self._row_of = sessions, [], {}
         if candidates:
-            rows = np.array([s.row for s in candidates], dtype=np.int64)
             first = np.array([s.computed for s in candidates], dtype=np.int64) - self.max_delay
-            users = self.user_rows.read(rows, first - np.array([s.user.start for s in candidates]), width)
-            models = self.model_rows.read(rows, first - np.array([s.model.start for s in candidates]), width)
+            user_at = first - np.array([s.user.start for s in candidates])
+            model_at = first - np.array([s.model.start for s in candidates])
+            fits = np.maximum(user_at, model_at) + width <= self.user_rows.limit  # (else it leaves its rows)
+            if not fits.all():
+                candidates = [candidates[i] for i in np.flatnonzero(fits).tolist()]
+                first, user_at, model_at = first[fits], user_at[fits], model_at[fits]
+        if candidates:
+            rows = np.array([s.row for s in candidates], dtype=np.int64)
+            users = self.user_rows.read(rows, user_at, width)
+            models = self.model_rows.read(rows, model_at, width)
             all_tokens = self._steps(users, models)
             run, wanted, known = self._plan(candidates, all_tokens)
             steps = np.minimum(run, self.rounds)
@@ -254,6 +263,8 @@ class DuplexLane:
         """The model codes of the rows' steps not yet given back, into their sessions' model frames: step
         `start + j`'s codebook k is frame `start + j - delays[k]`'s."""
         k, sessions = len(self.delays), [self.sessions[r] for r in rows.tolist()]
+        if any(s.model.rows is None for s in sessions):
+            raise AssertionError("a lane row's model frames left the engine's rows")
         step = np.arange(self.rounds + 1)
         at, step = np.nonzero((step > self.given[rows, None]) & (step <= self.done[rows, None]))
         model_start = np.array([s.model.start for s in sessions], dtype=np.int64)

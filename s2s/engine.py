@@ -85,7 +85,8 @@ class Engine:
         self.cache = self.kv.cache
         self.runner = self.runner_class(model, self.pool, cfg.max_conversations, cfg.cuda_graphs, cfg.deterministic)
         rows = cfg.max_conversations
-        self.user_rows, self.model_rows = FrameRows(rows, mcfg.num_codebooks), FrameRows(rows, mcfg.num_codebooks)
+        held = 2 * self.bound.max_pages(1, "turn") * cfg.page_size  # twice the most a conversation's pages cover
+        self.user_rows, self.model_rows = (FrameRows(rows, mcfg.num_codebooks, held) for _ in range(2))
         self.audio = AudioIO(
             tokenizer,
             rows,

@@ -17,18 +17,23 @@ UNKNOWN = -1
 
 class FrameRows:
     """One stream's recent frames of every live session, a row each: `array` `[rows, capacity, K]`. When a row
-    needs more room, every row grows (doubling), and each attached `Frames` is handed its row of the new array."""
+    needs more room, every row grows (doubling, up to `limit` frames), and each attached `Frames` is handed its row of
+    the new array. A stream that needs more than `limit` leaves its row for an array of its own (`Frames.ensure`):
+    one conversation that falls far behind does not grow every row."""
 
-    def __init__(self, rows: int, num_codebooks: int):
-        self.array = np.full((rows, 64, num_codebooks), UNKNOWN, dtype=np.int64)
+    def __init__(self, rows: int, num_codebooks: int, limit: int):
+        self.array = np.full((rows, min(64, limit), num_codebooks), UNKNOWN, dtype=np.int64)
         self.attached: dict[int, Frames] = {}
+        self.limit = limit
 
     def reserve(self, capacity: int) -> None:
-        """Room for `capacity` frames in every row."""
+        """Room for `capacity` frames in every row (at most `limit`)."""
         if capacity <= self.array.shape[1]:
             return
+        if capacity > self.limit:
+            raise ValueError(f"{capacity} frames in a row, over the rows' limit of {self.limit}")
         rows, held, k = self.array.shape
-        grown = np.full((rows, max(capacity, 2 * held), k), UNKNOWN, dtype=np.int64)
+        grown = np.full((rows, min(max(capacity, 2 * held), self.limit), k), UNKNOWN, dtype=np.int64)
         grown[:, :held] = self.array
         self.array = grown
         for row, frames in self.attached.items():
@@ -49,9 +54,12 @@ class Frames:
         self.row = -1
 
     def attach(self, rows: FrameRows, row: int) -> None:
-        """From now on `data` is row `row` of `rows` (what that row held is overwritten)."""
+        """From now on `data` is row `row` of `rows` (what that row held is overwritten); a stream longer than the
+        rows' limit keeps its own array."""
         if row in rows.attached:
             raise ValueError(f"row {row} holds another stream's frames")
+        if len(self.data) > rows.limit:
+            return
         rows.reserve(len(self.data))
         target = rows.array[row]
         target[: len(self.data)] = self.data
@@ -78,9 +86,10 @@ class Frames:
     def ensure(self, frames: int) -> None:
         """Room for frames up to `frames` - 1 (new ones UNKNOWN)."""
         if frames > self.start + len(self.data):
+            if self.rows is not None and frames - self.start <= self.rows.limit:
+                return self.rows.reserve(frames - self.start)
+            self.detach()
             size = max(frames - self.start, 2 * len(self.data))
-            if self.rows is not None:
-                return self.rows.reserve(size)
             grown = np.full((size, self.data.shape[1]), UNKNOWN, dtype=np.int64)
             grown[: len(self.data)] = self.data
             self.data = grown
@@ -107,12 +116,12 @@ class Frames:
         if frame < self.start:
             if frame > len(self.head):
                 raise IndexError(f"frames {len(self.head)}..{self.start - 1} are forgotten: cannot cut at {frame}")
-            size = max(64, 2 * frame)
-            if self.rows is None:
-                self.data = np.full((size, self.data.shape[1]), UNKNOWN, dtype=np.int64)
-            else:
-                self.rows.reserve(size)
+            if self.rows is not None and frame <= self.rows.limit:
+                self.rows.reserve(min(max(64, 2 * frame), self.rows.limit))
                 self.data[:] = UNKNOWN
+            else:
+                self.detach()
+                self.data = np.full((max(64, 2 * frame), self.data.shape[1]), UNKNOWN, dtype=np.int64)
             self.data[:frame] = self.head[:frame]
             self.head, self.start = self.head[:0], 0
         else:

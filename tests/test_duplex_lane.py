@@ -21,12 +21,15 @@ def model() -> S2SModel:
     return S2SModel.from_seed(ModelConfig.preset("tiny", num_codebooks=K, codebook_size=64), seed=0)
 
 
-def run(engine_class: type[Engine], model: S2SModel, num_pages: int, seed: int, edits: bool) -> tuple:
+def run(
+    engine_class: type[Engine], model: S2SModel, num_pages: int, seed: int, edits: bool, frame_limit: int | None = None
+) -> tuple:
     """A scripted mix on a bounded context: duplex conversations with and without a shared voice prompt, fed
     uneven blocks, beside turn conversations; with `edits`, one paused and started again, one restarted, one closed
     and another opened meanwhile. After each tick, the engine loop's `_behind` is checked against every session.
-    Returns each conversation's events (codes by first frame, and meta), the steps the lane took, who was preempted
-    at which tick, and how often the pool ran out."""
+    `frame_limit`: the frames a row of the engine's `FrameRows` may hold. Returns each conversation's events (codes
+    by first frame, and meta), the steps the lane took, who was preempted at which tick, how often the pool ran out,
+    and how many sessions' frames left the rows (at the end of a tick, summed over the ticks)."""
     cfg = EngineConfig(
         max_context=48,
         num_pages=num_pages,
@@ -38,7 +41,9 @@ def run(engine_class: type[Engine], model: S2SModel, num_pages: int, seed: int, 
     )
     clock = SimClock()  # deadlines, and so the order of picks and victims, follow the script, not the machine
     engine = engine_class(model, None, cfg, clock=clock)
-    lane_steps, ahead = [0], [0]
+    if frame_limit is not None:
+        engine.user_rows.limit = engine.model_rows.limit = frame_limit
+    lane_steps, ahead, left = [0], [0], 0
     forward = engine.runner.forward
 
     def counted(work, lane=None):
@@ -94,6 +99,7 @@ def run(engine_class: type[Engine], model: S2SModel, num_pages: int, seed: int, 
             assert table.array[s.row, : table.lengths[s.row]].tolist() == s.pages, (tick, s.id)
             assert not table.array[s.row, table.lengths[s.row] :].any(), (tick, s.id)
         ahead[0] += behind
+        left += sum(s.user.rows is None or s.model.rows is None for s in engine.sessions.values())
     events = {}
     for cid in [*cids, *turns]:
         q = engine.event_queue(cid)
@@ -105,7 +111,7 @@ def run(engine_class: type[Engine], model: S2SModel, num_pages: int, seed: int, 
             if isinstance(e, CodesEvent | MetaEvent)
         ]
     assert ahead[0] > 5, "some ticks ended with input ahead of real time"
-    return events, lane_steps[0], victims, engine.stats.out_of_pages
+    return events, lane_steps[0], victims, engine.stats.out_of_pages, left
 
 
 @pytest.mark.parametrize(("num_pages", "seed", "edits"), [(400, 0, True), (28, 0, True), (24, 1, False)])
@@ -121,4 +127,14 @@ def test_the_lane_streams_what_the_scheduler_streams(model, num_pages: int, seed
     assert sum(n > 20 for n in spoke) >= 6, spoke
     for cid, events in without[0].items():
         assert with_lane[0][cid] == events, cid
-    assert with_lane[2:] == without[2:]
+    assert with_lane[2:4] == without[2:4]
+
+
+def test_sessions_whose_frames_outgrow_the_rows_stream_the_same(model) -> None:
+    """Rows of the engine's `FrameRows` too short for what sessions that fall behind hold (a pool short enough to
+    preempt them): those leave the rows for arrays of their own, and go through the scheduler, with the same events
+    and the same preemptions as with rows long enough for all."""
+    limited, roomy = run(Engine, model, 24, 1, False, frame_limit=96), run(Engine, model, 24, 1, False, 4096)
+    assert limited[4] > 0 and roomy[4] == 0, "some sessions' frames left the rows, and only where they were short"
+    assert limited[1] > 1000, "the others stepped in the lane"
+    assert limited[0] == roomy[0] and limited[2:4] == roomy[2:4]

@@ -50,7 +50,7 @@ def test_frames_in_rows_behave_as_their_own(ops: list[tuple[str, int]]) -> None:
     """A stream held in a row of `FrameRows` reads and writes what one holding its own array does, whatever it and
     the other rows do (the rows grow for everyone, and each attached stream follows its row); `FrameRows.read`
     reads what `window` does, and a detached copy keeps the frames."""
-    own, held, other, rows = Frames(2), Frames(2), Frames(2), FrameRows(3, 2)
+    own, held, other, rows = Frames(2), Frames(2), Frames(2), FrameRows(3, 2, limit=512)  # (past it: its own array)
     held.attach(rows, 1)
     other.attach(rows, 2)
     written, kept = 0, None  # frames 0..written-1 are known; frames 0..kept-1 stay once forgetting
@@ -77,9 +77,10 @@ def test_frames_in_rows_behave_as_their_own(ops: list[tuple[str, int]]) -> None:
         stop = max(len(own), len(held))
         frames = np.arange(held.start, stop)[:, None]
         assert np.array_equal(held.gather(frames, np.arange(2)), own.gather(frames, np.arange(2)))
-        if op == "read" and n >= held.start:
+        if op == "read" and n >= held.start and held.rows is not None and n - held.start + 6 <= rows.limit:
             window = rows.read(np.array([1]), np.array([n - held.start]), 6)[0]
             assert np.array_equal(window, own.window(n, 6))
+    assert rows.array.shape[1] <= rows.limit
     copy = deepcopy(held)
     held.detach()
     assert copy.rows is None and held.rows is None and 1 not in rows.attached
@@ -89,7 +90,7 @@ def test_frames_in_rows_behave_as_their_own(ops: list[tuple[str, int]]) -> None:
 
 
 def test_a_row_holds_one_stream() -> None:
-    rows = FrameRows(2, 2)
+    rows = FrameRows(2, 2, limit=512)
     Frames(2).attach(rows, 0)
     with pytest.raises(ValueError, match="holds another"):
         Frames(2).attach(rows, 0)
