@@ -76,29 +76,35 @@ class AudioIO:
         now = self.clock()
         duplex: dict[int, list[tuple[Session, np.ndarray]]] = {}  # by frame count
         for s, codes in heard:
-            if s.mode == "duplex" and self._fit(s, codes.shape[1]):
+            if s.mode == "duplex":
                 duplex.setdefault(codes.shape[1], []).append((s, codes))
             else:
                 s.hear(codes, now)
         for n, items in duplex.items():
             self._hear_duplex(n, items, now)
 
-    def _fit(self, s: Session, n: int) -> bool:
-        """Its streams' recent frames are rows of the engine's, with room in them for `n` more (and the next)."""
-        return (
-            s.user.rows is not None
-            and s.model.rows is not None
-            and s.user_frames + n + 1 - min(s.user.start, s.model.start) <= self.user_frames.limit
-        )
-
     def _hear_duplex(self, n: int, items: list[tuple[Session, np.ndarray]], now: float) -> None:
-        """`Session.hear` of duplex sessions' `n` new frames each, written into their rows at once."""
+        """`Session.hear` of duplex sessions' `n` new frames each, written into their rows at once; one whose frames
+        are not in the rows, or would not fit in them, hears them on its own (its frames then leave the rows)."""
+        user_start = np.array([s.user.start for s, _ in items], dtype=np.int64)
+        model_start = np.array([s.model.start for s, _ in items], dtype=np.int64)
+        heard = np.array([s.user_frames for s, _ in items], dtype=np.int64)
+        fits = heard + n + 1 - np.minimum(user_start, model_start) <= self.user_frames.limit
+        fits &= np.array([s.user.rows is not None and s.model.rows is not None for s, _ in items])
+        if not fits.all():
+            for i in np.flatnonzero(~fits).tolist():
+                items[i][0].hear(items[i][1], now)
+            keep = np.flatnonzero(fits)
+            items = [items[i] for i in keep.tolist()]
+            user_start, model_start, heard = user_start[keep], model_start[keep], heard[keep]
+            if not items:
+                return
         rows = np.array([s.row for s, _ in items], dtype=np.int64)
-        offsets = np.array([s.user_frames - s.user.start for s, _ in items], dtype=np.int64)
+        offsets = heard - user_start
         if offsets.min() < 0:
             raise AssertionError("a duplex session's next user frame is before its recent frames")
         self.user_frames.reserve(int(offsets.max()) + n + 1)
-        self.model_frames.reserve(int(max(s.user_frames + n + 1 - s.model.start for s, _ in items)))
+        self.model_frames.reserve(int((heard + n + 1 - model_start).max()))
         self.user_frames.array[rows[:, None], offsets[:, None] + np.arange(n)] = np.stack([c.T for _, c in items])
         for s, _ in items:
             s.heard_in_rows(n, now)
