@@ -144,14 +144,6 @@ class Frames:
             out[head] = self.head[frames[head], codebooks[head]]
         return out
 
-    def window(self, first: int, count: int) -> np.ndarray:
-        """Frames `first`..`first + count - 1`, all from `start` on (the tick's usual read), as a view (`[count, K]`;
-        the array grows to hold them: those past the end are UNKNOWN)."""
-        if first < self.start:
-            raise IndexError(f"frame {first} is before the recent frames ({self.start} on)")
-        self.ensure(first + count)
-        return self.data[first - self.start : first - self.start + count]
-
     def code(self, frame: int, codebook: int) -> int:
         """One code (UNKNOWN past the end); `frame` must not be forgotten."""
         if frame >= self.start:

@@ -1,5 +1,5 @@
-"""`Frames`' quick reads (`window`, `code`, each tick's) against its general one (`gather`), however the stream has
-grown and forgotten its middle."""
+"""`Frames`' quick reads (`code`, and `FrameRows.read` of an attached stream) against its general one (`gather`),
+however the stream has grown and forgotten its middle."""
 
 from copy import deepcopy
 
@@ -19,19 +19,13 @@ from s2s.frames import FrameRows, Frames
     start=st.integers(0, 320),
     length=st.integers(0, 5),
 )
-def test_window_and_code_read_what_gather_reads(known: int, keep: int, forget_to: int, start: int, length: int) -> None:
+def test_code_reads_what_gather_reads(known: int, keep: int, forget_to: int, start: int, length: int) -> None:
     frames = Frames(2)
     frames.ensure(known)
     frames[:known] = np.arange(2 * known).reshape(known, 2)
     if keep < forget_to < known:
         frames.forget(keep, forget_to)
     stop = start + length
-    want = frames.gather(np.arange(start, stop)[:, None], np.arange(2)[None, :]) if start >= frames.start else None
-    if want is None:
-        with pytest.raises(IndexError):
-            frames.window(start, length)
-    else:
-        assert np.array_equal(frames.window(start, length), want)
     for k in range(2):
         for f in range(start, stop):
             if not frames.forgotten(f):
@@ -79,7 +73,7 @@ def test_frames_in_rows_behave_as_their_own(ops: list[tuple[str, int]]) -> None:
         assert np.array_equal(held.gather(frames, np.arange(2)), own.gather(frames, np.arange(2)))
         if op == "read" and n >= held.start and held.rows is not None and n - held.start + 6 <= rows.limit:
             window = rows.read(np.array([1]), np.array([n - held.start]), 6)[0]
-            assert np.array_equal(window, own.window(n, 6))
+            assert np.array_equal(window, own.gather(np.arange(n, n + 6)[:, None], np.arange(2)))
     assert rows.array.shape[1] <= rows.limit
     copy = deepcopy(held)
     held.detach()
