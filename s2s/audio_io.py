@@ -36,8 +36,8 @@ class AudioIO:
         batch_invariant: bool,
     ):
         """`user_frames`, `model_frames`: every live session's recent frames, which new user frames are written into
-        and the decoder reads; `batch_invariant`: the
-        codec computes each row alone, a frame a call (`codec/streaming.py`)."""
+        and the decoder reads; `batch_invariant`: the codec computes each row alone, a frame a call
+        (`codec/streaming.py`)."""
         self.encoder = tokenizer.streaming_encoder(rows, batch_invariant) if tokenizer else None
         self.decoder = tokenizer.streaming_decoder(rows, batch_invariant) if tokenizer else None
         self.user_frames, self.model_frames = user_frames, model_frames

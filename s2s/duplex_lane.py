@@ -112,7 +112,7 @@ class DuplexLane:
         self.start = np.array([s.computed for s in rows], dtype=np.int64)
         self.sink = np.array([s.sink for s in rows], dtype=np.int64)
         self.dropped = np.array([s.dropped for s in rows], dtype=np.int64)
-        self.table_rows = np.array([s.row for s in rows], dtype=np.int64)  # its session's row in `page_tables`
+        self.session_rows = np.array([s.row for s in rows], dtype=np.int64)  # its session's row (frames, page table)
         self.params: list[SamplingParams] = [s.sampling for s in rows]
         self.streams: list[RandomStream] = [s.generator for s in rows]
         self.done = np.zeros(len(rows), dtype=np.int64)  # rounds each row has stepped
@@ -155,7 +155,7 @@ class DuplexLane:
         if not len(rows):
             return self.others
         ps, sink, dropped = self.bound.page_size, self.sink[rows], self.dropped[rows]
-        lengths = self.page_tables.lengths[self.table_rows[rows]]
+        lengths = self.page_tables.lengths[self.session_rows[rows]]
         computed = self.start[rows] + index
         need = -(-(computed + 1) // ps) - (lengths + np.where(lengths >= sink, dropped, 0))
         drop = np.maximum(computed // ps - self.bound.window_pages + 1 - sink, 0) - dropped  # `KVManager.slide`'s
@@ -206,7 +206,7 @@ class DuplexLane:
         # `Session.visible`, for rows past their sink: the sink's pages, then the window's
         hidden = np.maximum(np.maximum(computed // ps - self.bound.window_pages + 1 - sink, 0), dropped)
         skip = np.where(hidden > 0, hidden - dropped, 0)  # table pages before the window, after the sink
-        table, lengths = self.page_tables.read(self.table_rows[rows])
+        table, lengths = self.page_tables.read(self.session_rows[rows])
         if skip.any():  # (the usual round has every row's window slid as its step was scheduled)
             columns = np.arange(table.shape[1])
             source = np.where(columns < sink[:, None], columns, columns + skip[:, None])
@@ -272,5 +272,5 @@ class DuplexLane:
         if offsets.min() < 0:
             raise AssertionError("a lane step's model code falls in forgotten frames")
         self.model_rows.reserve(int((self.start[rows] + self.done[rows] + 2 - model_start).max()))  # as `accept`
-        slab_rows = np.array([s.row for s in sessions], dtype=np.int64)[at]
-        self.model_rows.array[slab_rows[:, None], offsets, np.arange(k)[None, :]] = self.tokens[rows[at], step, k:]
+        session_rows = self.session_rows[rows[at]]
+        self.model_rows.array[session_rows[:, None], offsets, np.arange(k)[None, :]] = self.tokens[rows[at], step, k:]
