@@ -364,19 +364,15 @@ class Session(TurnLifecycle):
 
     def complete_model_frames(self) -> int:
         """Model frames whose every codebook is known, counted from frame 0 (contiguous)."""
-        model, complete = self.model, self.complete
-        while complete < len(model):
-            if complete >= model.start:  # (the usual read: a recent frame)
-                if UNKNOWN in model.data[complete - model.start].tolist():
-                    break
-            elif model.forgotten(complete):
-                complete = model.start  # forgotten frames were all complete
-                continue
-            elif UNKNOWN in model[complete].tolist():
+        model = self.model
+        while self.complete < len(model):
+            if model.forgotten(self.complete):
+                self.complete = model.start  # forgotten frames were all complete
+            elif UNKNOWN in model[self.complete].tolist():
                 break
-            complete += 1
-        self.complete = complete
-        return complete
+            else:
+                self.complete += 1
+        return self.complete
 
     # ---- the turn lifecycle --------------------------------------------------------------------------------------
 
