@@ -391,7 +391,8 @@ class Engine:
 
     def _check_when_idle(self) -> None:
         """Once each time the last conversation has gone: every page free or cached, the pool's counts consistent
-        (`PrefixCache.check`); a failure is counted and logged, and the engine goes on."""
+        (`PrefixCache.check`), no page table or frame row still held; a failure is counted and logged, and the engine
+        goes on."""
         if self.sessions:
             self._checked_idle = False
             return
@@ -403,6 +404,8 @@ class Engine:
             self.cache.check()
             c = self.cache.stats()
             assert c.private == c.cached_locked == 0, f"pages held with no conversation open: {c}"
+            assert not self.kv.tables.lengths.any(), "a page table left with no conversation open"
+            assert not self.user_rows.attached and not self.model_rows.attached, "frame rows held by no conversation"
         except AssertionError:
             self.stats.kv_check_failures += 1
             log.exception("page integrity check failed")
