@@ -29,7 +29,8 @@ def run(
     and another opened meanwhile. After each tick, the engine loop's `_behind` is checked against every session.
     `frame_limit`: the frames a row of the engine's `FrameRows` may hold. Returns each conversation's events (codes
     by first frame, and meta), the steps the lane took, who was preempted at which tick, how often the pool ran out,
-    and how many sessions' frames left the rows (at the end of a tick, summed over the ticks)."""
+    how many sessions' frames left the rows (at the end of a tick, summed over the ticks), and how often rows that
+    needed a page got it at once and how often through the scheduler."""
     cfg = EngineConfig(
         max_context=48,
         num_pages=num_pages,
@@ -58,6 +59,14 @@ def run(
         preempt(s)
 
     engine.kv.preempt = preempted
+    at_once, grow_steps = [0, 0], engine.kv.grow_steps  # rows' pages given at once, and not (the scheduler's)
+
+    def counted_grow(sessions, spare) -> bool:
+        grown = grow_steps(sessions, spare)
+        at_once[0 if grown else 1] += 1
+        return grown
+
+    engine.kv.grow_steps = counted_grow
     rng = np.random.default_rng(seed)
     engine.add_voice("v", rng.integers(0, 64, (K, 20)))
     cids = [
@@ -111,7 +120,7 @@ def run(
             if isinstance(e, CodesEvent | MetaEvent)
         ]
     assert ahead[0] > 5, "some ticks ended with input ahead of real time"
-    return events, lane_steps[0], victims, engine.stats.out_of_pages, left
+    return events, lane_steps[0], victims, engine.stats.out_of_pages, left, at_once
 
 
 @pytest.mark.parametrize(("num_pages", "seed", "edits"), [(400, 0, True), (28, 0, True), (24, 1, False)])
@@ -121,8 +130,10 @@ def test_the_lane_streams_what_the_scheduler_streams(model, num_pages: int, seed
     they preempt each other (a row whose step needs a page then competes for it in deadline order)."""
     with_lane, without = run(Engine, model, num_pages, seed, edits), run(WithoutLane, model, num_pages, seed, edits)
     assert with_lane[1] > 1000 and without[1] == 0, "the lane took the steady duplex steps"
+    assert with_lane[5][0] > 0, "rows that needed a page got it at once"
     if num_pages < 400:
         assert len(without[2]) > 0, "the pool was short"
+        assert with_lane[5][1] > 0, "and rows that needed a page then went through the scheduler"
     spoke = [sum(len(e[1][0]) for e in events if isinstance(e, tuple)) for events in without[0].values()]
     assert sum(n > 20 for n in spoke) >= 6, spoke
     for cid, events in without[0].items():
