@@ -15,7 +15,7 @@ import torch
 from codec import EncodecTokenizer
 from s2s.config import FRAME_S
 from s2s.events import AudioEvent, CodesEvent
-from s2s.frames import FrameRows
+from s2s.frames import UNKNOWN, FrameRows
 from s2s.metrics import EngineStats
 from s2s.scheduler import first_audio_due
 from s2s.session import Session
@@ -105,7 +105,8 @@ class AudioIO:
             raise AssertionError("a duplex session's next user frame is before its recent frames")
         self.user_frames.reserve(int(offsets.max()) + n + 1)
         self.model_frames.reserve(int((heard + n + 1 - model_start).max()))
-        self.user_frames.array[rows[:, None], offsets[:, None] + np.arange(n)] = np.stack([c.T for _, c in items])
+        codes = np.array([c for _, c in items]).transpose(0, 2, 1)  # (np.stack costs three times as much)
+        self.user_frames.array[rows[:, None], offsets[:, None] + np.arange(n)] = codes
         for s, _ in items:
             s.heard_in_rows(n, now)
 
@@ -113,58 +114,84 @@ class AudioIO:
         """Decode and send every session's newly complete frames (one decoder call per chunk length).
         `first_audio_only`: only turns whose reply has its first frame complete and nothing sent yet; the rest of
         the tick's rounds would otherwise delay that first audio (the user is waiting on it)."""
-        groups: dict[int, list[tuple[Session, int, int]]] = {}
-        for s in sessions:
-            if first_audio_only and not first_audio_due(s):
-                continue
-            start, stop = self._sendable(s)
-            if stop > start:
-                groups.setdefault(stop - start, []).append((s, start, stop))
-        for length, items in groups.items():
-            codes = self._frames_to_send(items, length)
+        sessions = [s for s in sessions if first_audio_due(s)] if first_audio_only else list(sessions)
+        if not sessions:
+            return
+        starts, stops = self._sendable(sessions)
+        todo = np.flatnonzero(stops > starts)
+        lengths = (stops - starts)[todo]
+        for length in np.unique(lengths).tolist():
+            picked = todo[lengths == length]
+            items, first = [sessions[i] for i in picked.tolist()], starts[picked]
+            codes = self._frames_to_send(items, first, length)
             if self.decoder is None:
                 out = codes  # codec-free: the sampled ids themselves
             else:
                 codes = np.where(codes < self.codebook_size, codes, self.silence_codes[None, :, None])
-                out = self.decoder.push(torch.from_numpy(codes), [s.row for s, _, _ in items]).cpu().numpy()
+                out = self.decoder.push(torch.from_numpy(codes), [s.row for s in items]).cpu().numpy()
             now = self.clock()
             event = AudioEvent if self.decoder is not None else CodesEvent
-            for (s, a, b), audio in zip(items, out, strict=True):
-                s.emitted = b
+            for s, a, audio in zip(items, first.tolist(), out, strict=True):
+                s.emitted = a + length
                 turn = s.turns[-1]
                 turn.times.setdefault("first_audio_out", now)
                 s.events.put(event(s.id, turn.id, a, audio, dict(turn.times)))
-            self._count_late([item for item in items if item[0].mode == "duplex"], length, now)
+            self._count_late(items, first, length, now)
 
-    def _frames_to_send(self, items: list[tuple[Session, int, int]], length: int) -> np.ndarray:
-        """`[n, K, length]`: each item's model frames `a..b-1`, read from the rows at once where they all are."""
-        if any(s.model.rows is None for s, _, _ in items):
-            return np.stack([s.model[a:b].T for s, a, b in items])
-        rows = np.array([s.row for s, _, _ in items], dtype=np.int64)
-        offsets = np.array([a - s.model.start for s, a, _ in items], dtype=np.int64)
+    def _sendable(self, sessions: list[Session]) -> tuple[np.ndarray, np.ndarray]:
+        """Each session's model frames to send now, `starts[i]..stops[i]-1`: duplex, every complete frame after the
+        voice prompt once its user's first frame is in; turn mode, the reply's complete frames."""
+        emitted = np.array([s.emitted for s in sessions], dtype=np.int64)
+        prompt = np.array([s.prompt_frames for s in sessions], dtype=np.int64)
+        duplex = np.array([s.mode == "duplex" for s in sessions])
+        heard = np.array([s.first_frame_at is not None for s in sessions])
+        complete = self._complete(sessions)
+        starts = np.where(duplex, np.maximum(emitted, prompt), emitted)
+        stops = np.where(heard, complete, starts)
+        for i in np.flatnonzero(~duplex).tolist():
+            s = sessions[i]
+            if s.phase is not Phase.REPLY:
+                stops[i] = s.emitted
+                continue
+            turn = s.turns[-1]
+            stop = complete[i] if turn.reply_end is None else min(complete[i], turn.reply_end)
+            stops[i] = max(s.emitted, stop)
+        return starts, stops
+
+    def _complete(self, sessions: list[Session]) -> np.ndarray:
+        """`Session.complete_model_frames` of each: the frame it counts up to is read for all at once in the rows,
+        and only a session whose count moves on (or whose frames are not in the rows) counts on its own."""
+        complete = np.array([s.complete for s in sessions], dtype=np.int64)
+        start = np.array([s.model.start for s in sessions], dtype=np.int64)
+        row = np.array([s.model.row for s in sessions], dtype=np.int64)
+        at = complete - start
+        in_rows = (row >= 0) & (at >= 0)
+        check = np.flatnonzero(in_rows & (at < self.model_frames.array.shape[1]))
+        moves = (self.model_frames.array[row[check], at[check]] != UNKNOWN).all(-1)
+        for i in np.flatnonzero(~in_rows).tolist() + check[moves].tolist():
+            complete[i] = sessions[i].complete_model_frames()
+        return complete
+
+    def _frames_to_send(self, items: list[Session], first: np.ndarray, length: int) -> np.ndarray:
+        """`[n, K, length]`: each session's model frames from `first[i]` on, read from the rows at once where they
+        all are."""
+        if any(s.model.rows is None for s in items):
+            return np.stack([s.model[a : a + length].T for s, a in zip(items, first.tolist(), strict=True)])
+        rows = np.array([s.row for s in items], dtype=np.int64)
+        offsets = first - np.array([s.model.start for s in items], dtype=np.int64)
         if offsets.min() < 0:
             raise IndexError("frames to send were forgotten")
         return self.model_frames.read(rows, offsets, length).transpose(0, 2, 1)
 
-    def _count_late(self, items: list[tuple[Session, int, int]], length: int, now: float) -> None:
-        """Duplex frames sent after their deadline (`frame_deadline`, for every frame of every item at once)."""
-        if not items:
+    def _count_late(self, items: list[Session], first: np.ndarray, length: int, now: float) -> None:
+        """Duplex frames sent after their deadline (`frame_deadline`, for every frame of every duplex one at once)."""
+        duplex = [i for i, s in enumerate(items) if s.mode == "duplex"]
+        if not duplex:
             return
-        arrived = np.array([s.first_frame_at for s, _, _ in items], dtype=np.float64)
-        since = np.array([a - s.prompt_frames for s, a, _ in items], dtype=np.int64)[:, None] + np.arange(length)
+        arrived = np.array([items[i].first_frame_at for i in duplex], dtype=np.float64)
+        prompt = np.array([items[i].prompt_frames for i in duplex], dtype=np.int64)
+        since = (first[duplex] - prompt)[:, None] + np.arange(length)
         late = (now > arrived[:, None] + (since + 1) * FRAME_S + self.jitter_buffer_s).sum(1)
         for i in np.flatnonzero(late).tolist():
-            items[i][0].deadline_misses += int(late[i])
+            items[duplex[i]].deadline_misses += int(late[i])
         self.stats.deadline_misses += int(late.sum())
-
-    @staticmethod
-    def _sendable(s: Session) -> tuple[int, int]:
-        complete = s.complete_model_frames()
-        if s.mode == "duplex":
-            start = max(s.emitted, s.prompt_frames)
-            return start, complete if s.first_frame_at is not None else start
-        if s.phase is not Phase.REPLY:
-            return s.emitted, s.emitted
-        turn = s.turns[-1]
-        stop = complete if turn.reply_end is None else min(complete, turn.reply_end)
-        return s.emitted, max(s.emitted, stop)

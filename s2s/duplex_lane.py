@@ -73,51 +73,57 @@ class DuplexLane:
 
     def take(self, sessions: list[Session]) -> None:
         """This tick's rows: each steady duplex session that has a step to take."""
-        candidates, width = [], self.max_delay + self.rounds + 2
-        for s in sessions if self.rounds else ():
-            first = s.computed - self.max_delay  # the first frame its steps of the tick read
-            if (
-                s.mode == "duplex"
-                and not s.paused
-                and first >= max(s.user.start, s.model.start)  # reads only recent frames
-                and not (s.dropped and s.computed < s.sink * self.bound.page_size)  # not recomputing its sink (a gap)
-                and s.user.rows is not None  # its recent frames are rows of the engine's (not too many of them)
-                and s.model.rows is not None
-            ):
-                candidates.append(s)
         self._all, self.sessions, self._row_of = sessions, [], {}
-        if candidates:
-            first = np.array([s.computed for s in candidates], dtype=np.int64) - self.max_delay
-            user_at = first - np.array([s.user.start for s in candidates])
-            model_at = first - np.array([s.model.start for s in candidates])
-            fits = np.maximum(user_at, model_at) + width <= self.user_rows.limit  # (else it leaves its rows)
-            if not fits.all():
-                candidates = [candidates[i] for i in np.flatnonzero(fits).tolist()]
-                first, user_at, model_at = first[fits], user_at[fits], model_at[fits]
-        if candidates:
-            rows = np.array([s.row for s in candidates], dtype=np.int64)
-            users = self.user_rows.read(rows, user_at, width)
-            models = self.model_rows.read(rows, model_at, width)
-            all_tokens = self._steps(users, models)
-            run, wanted, known = self._plan(candidates, all_tokens)
-            steps = np.minimum(run, self.rounds)
-            kept = np.flatnonzero(steps)
-            self.sessions = [candidates[i] for i in kept.tolist()]
-            self._row_of = {s.id: r for r, s in enumerate(self.sessions)}
-            self.steps, self.wanted, self.tokens = steps[kept], wanted[kept], all_tokens[kept]
-            self.more = run[kept] > self.rounds  # it could step once more after the tick
-            self.stopped_unknown = ~known[kept, steps[kept]]  # the step it stopped at is not known
+        self.start = self.sink = self.dropped = self.session_rows = np.zeros(0, dtype=np.int64)
+        if self.rounds:
+            self._take_rows(sessions)
         rows = self.sessions
         self.others = [s for s in sessions if s.id not in self._row_of] if rows else list(sessions)
-        self.start = np.array([s.computed for s in rows], dtype=np.int64)
-        self.sink = np.array([s.sink for s in rows], dtype=np.int64)
-        self.dropped = np.array([s.dropped for s in rows], dtype=np.int64)
-        self.session_rows = np.array([s.row for s in rows], dtype=np.int64)  # its session's row (frames, page table)
         self.params: list[SamplingParams] = [s.sampling for s in rows]
         self.streams: list[RandomStream] = [s.generator for s in rows]
         self.done = np.zeros(len(rows), dtype=np.int64)  # rounds each row has stepped
         self.given = np.zeros(len(rows), dtype=np.int64)  # of those, steps given back to its session
         self._logits: list[tuple[torch.Tensor, np.ndarray, float]] = []  # each round's: rows' logits, rows, when
+
+    def _take_rows(self, sessions: list[Session]) -> None:
+        sessions = [
+            s
+            for s in sessions
+            if s.mode == "duplex" and not s.paused and s.user.rows is not None and s.model.rows is not None
+        ]
+        if not sessions:
+            return
+        computed = np.array([s.computed for s in sessions], dtype=np.int64)
+        user_start = np.array([s.user.start for s in sessions], dtype=np.int64)
+        model_start = np.array([s.model.start for s in sessions], dtype=np.int64)
+        sink = np.array([s.sink for s in sessions], dtype=np.int64)
+        dropped = np.array([s.dropped for s in sessions], dtype=np.int64)
+        prompt_frames = np.array([s.prompt_frames for s in sessions], dtype=np.int64)
+        row = np.array([s.row for s in sessions], dtype=np.int64)
+        width = self.max_delay + self.rounds + 2
+        first = computed - self.max_delay  # the first frame its steps of the tick read
+        user_at, model_at = first - user_start, first - model_start
+        candidates = np.flatnonzero(
+            (np.minimum(user_at, model_at) >= 0)  # reads only recent frames
+            & ~((dropped > 0) & (computed < sink * self.bound.page_size))  # not recomputing its sink (a gap)
+            & (np.maximum(user_at, model_at) + width <= self.user_rows.limit)  # (else it leaves its rows)
+        )
+        if not len(candidates):
+            return
+        users = self.user_rows.read(row[candidates], user_at[candidates], width)
+        models = self.model_rows.read(row[candidates], model_at[candidates], width)
+        all_tokens = self._steps(users, models)
+        run, wanted, known = self._plan(computed[candidates], prompt_frames[candidates], all_tokens)
+        steps = np.minimum(run, self.rounds)
+        kept = np.flatnonzero(steps)
+        taken = candidates[kept]
+        self.sessions = [sessions[i] for i in taken.tolist()]
+        self._row_of = {s.id: r for r, s in enumerate(self.sessions)}
+        self.steps, self.wanted, self.tokens = steps[kept], wanted[kept], all_tokens[kept]
+        self.more = run[kept] > self.rounds  # it could step once more after the tick
+        self.stopped_unknown = ~known[kept, steps[kept]]  # the step it stopped at is not known
+        self.start, self.sink, self.dropped = computed[taken], sink[taken], dropped[taken]
+        self.session_rows = row[taken]  # its session's row (frames, page table)
 
     def _steps(self, users: np.ndarray, models: np.ndarray) -> np.ndarray:
         """Step tokens `[n, rounds + 2, 2K]` from each row's frames `[n, width, K]` from its first step's less the
@@ -126,16 +132,17 @@ class DuplexLane:
         codebooks = np.arange(len(self.delays))[None, :]
         return np.concatenate([users[:, frames, codebooks], models[:, frames, codebooks]], axis=2)
 
-    def _plan(self, sessions: list[Session], tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _plan(
+        self, computed: np.ndarray, prompt_frames: np.ndarray, tokens: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """How many steps each could take in a row, up to one past the tick's rounds, and which model codes sampling
         fills (`[n, rounds + 2, K]`, by step): the leading run of steps known by their round whose sampling fills
         some model code of the next step (`Scheduler.pick`'s decode step, from `Session.wanted_after`); and whether
         each step is known by its round (`[n, rounds + 2]`)."""
         k = len(self.delays)
-        t = np.array([s.computed for s in sessions], dtype=np.int64)
-        first_predicted = np.array([max(1, s.prompt_frames) for s in sessions], dtype=np.int64)
+        first_predicted = np.maximum(prompt_frames, 1)
         step = np.arange(self.rounds + 2)
-        frames = t[:, None, None] + step[None, :, None] - self.delays[None, None, :]  # each model code's frame
+        frames = computed[:, None, None] + step[None, :, None] - self.delays[None, None, :]  # each model code's frame
         unknown = tokens[:, :, k:] == UNKNOWN
         wanted = unknown & (frames >= first_predicted[:, None, None])
         model_known = (~unknown | (wanted & (step >= 1)[None, :, None])).all(-1)  # by its round

@@ -124,6 +124,7 @@ class Engine:
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by `end_turn` (the engine thread ticks at once) and `stop`
         self._checked_idle = True  # `_check_when_idle` has run since the last conversation went
+        self._turn_mode_sessions: list[Session] = []  # this tick's live sessions in turn mode
         calibrate(self)
         self._publish()
 
@@ -296,7 +297,8 @@ class Engine:
     def _ingest(self) -> None:
         self._apply_commands()
         self._timed("encode", self.audio.encode, self.sessions.values())
-        for s in self.sessions.values():
+        self._turn_mode_sessions = [s for s in self.sessions.values() if s.mode == "turn"]  # (the tick's own loops)
+        for s in self._turn_mode_sessions:
             if s.end_of_turn_at is not None and not s.paused and s.start_reply(self.clock()):
                 self._sample([s])  # the user's last step is already computed: sample at once
         self.kv.rematch(self.sessions.values())
@@ -334,7 +336,7 @@ class Engine:
                 self.kv.insert(s, lock=True)  # a prefill chunk: sessions behind it can share it next tick
         # waits for the forward (on a GPU)
         self._sample([w.session for w in work], [w.wanted for w in work], lane, logits[len(work) :], now)
-        for s in self.sessions.values():
+        for s in self._turn_mode_sessions:  # (a duplex session never replies by turn)
             if s.phase is Phase.REPLY:
                 s.fill_reply_silence()
         self.stats.phase_seconds["model"] += self.clock() - t
@@ -373,7 +375,7 @@ class Engine:
                 s.end_reply_at(filled, self.cfg.max_reply_frames)
 
     def _finish_replies(self) -> None:
-        for s in self.sessions.values():
+        for s in self._turn_mode_sessions:
             if s.reply_over():
                 data = s.finish_reply(self.clock())
                 self._rewind(s, s.computed)
