@@ -53,9 +53,11 @@ class EventQueue:
     client does not keep up) finds the queue `overflowed`, emptied, and dropping all but the end; `on_overflow`
     tells the reader at once.
 
-    `queue.Queue`'s interface for one writer (the engine thread) and its readers, without its cost per put (a
-    second condition for a bound it never has, a notify with nobody waiting): the engine puts every conversation's
-    events every tick."""
+    `queue.Queue`'s interface for one writer (the engine thread, which also drops audio) and its readers, without
+    its cost per put: the engine puts every conversation's events every tick. A put takes no lock (a deque's
+    append is atomic; each side counts the frames it moved, so neither writes what the other does); it takes the
+    lock only to wake a reader waiting in `get`, which looks at the queue again after it says it waits, or to empty
+    the queue on an overflow."""
 
     max_frames = 1500  # 20 s of audio: a turn reply of the default longest (750 frames), made at once, fits twice
     on_put: Callable[[], None] | None = None
@@ -66,25 +68,32 @@ class EventQueue:
         self.mutex = threading.Lock()
         self._ready = threading.Condition(self.mutex)
         self._waiting = 0  # readers blocked in `get`
-        self.frames, self.overflowed = 0, False
+        self._frames_put = self._frames_got = 0  # the writer's count and the readers' (the lock's)
+        self.overflowed = False
 
     def put(self, item: AudioEvent | CodesEvent | MetaEvent | None) -> None:
-        with self.mutex:
-            if item is not None:
-                if self.overflowed:
-                    return
-                self.frames += _frames(item)
-                if self.frames > self.max_frames:
+        if item is not None:
+            if self.overflowed:
+                return
+            self._frames_put += _frames(item)
+            if self._frames_put - self._frames_got > self.max_frames:
+                with self.mutex:
                     self.queue.clear()
-                    self.frames, self.overflowed = 0, True
-                    if self.on_overflow is not None:
-                        self.on_overflow()
-                    return
-            self.queue.append(item)
-            if self._waiting:
+                    self._frames_put, self.overflowed = self._frames_got, True
+                if self.on_overflow is not None:
+                    self.on_overflow()
+                return
+        self.queue.append(item)
+        if self._waiting:
+            with self.mutex:
                 self._ready.notify()
         if self.on_put is not None:
             self.on_put()
+
+    @property
+    def frames(self) -> int:
+        """Frames of output put and not yet read."""
+        return self._frames_put - self._frames_got
 
     def get(self, block: bool = True, timeout: float | None = None) -> AudioEvent | CodesEvent | MetaEvent | None:
         """The next event; `queue.Empty` if there is none (`block`: after waiting up to `timeout` seconds)."""
@@ -98,7 +107,7 @@ class EventQueue:
             if not self.queue:
                 raise queue.Empty
             item = self.queue.popleft()
-            self.frames -= _frames(item)
+            self._frames_got += _frames(item)
             return item
 
     def get_nowait(self) -> AudioEvent | CodesEvent | MetaEvent | None:
@@ -111,9 +120,10 @@ class EventQueue:
         return not self.queue
 
     def drop_turn_audio(self, turn: int) -> None:
-        """Take a cancelled turn's audio the reader has not read yet out of the queue; keep everything else."""
+        """Take a cancelled turn's audio the reader has not read yet out of the queue; keep everything else. The
+        writer's call (no put runs meanwhile)."""
         with self.mutex:
             kept = [e for e in self.queue if not (isinstance(e, AudioEvent | CodesEvent) and e.turn == turn)]
             self.queue.clear()
             self.queue.extend(kept)
-            self.frames = sum(map(_frames, kept))
+            self._frames_put = self._frames_got + sum(map(_frames, kept))
