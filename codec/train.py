@@ -188,13 +188,26 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+QUICK = {  # `--quick`'s defaults (what is given stays); its corpus goes in the output folder
+    "data": None,
+    "speech_minutes": 0.5,
+    "steps": 60,
+    "warmup_steps": 20,
+    "batch": 4,
+    "segment_s": 0.5,
+    "log_every": 10,
+    "save_every": 0,
+}
+
+
 def main(argv: list[str]) -> None:
-    args = parser().parse_args(argv)
+    p = parser()
+    if p.parse_known_args(argv)[0].quick:
+        p.set_defaults(**QUICK)
+    args = p.parse_args(argv)
     args.argv = argv
-    if args.quick:
+    if args.data is None:
         args.data = args.out / "corpus"
-        args.speech_minutes, args.steps, args.warmup_steps, args.batch, args.segment_s = 0.5, 60, 20, 4, 0.5
-        args.log_every, args.save_every = 10, 0
     if args.warmup_steps >= args.steps:
         raise SystemExit("--warmup-steps must be fewer than --steps")
     out = train(args)

@@ -117,13 +117,19 @@ class AudioIO:
         sessions = [s for s in sessions if first_audio_due(s)] if first_audio_only else list(sessions)
         if not sessions:
             return
-        starts, stops = self._sendable(sessions)
+        model_start = np.array([s.model.start for s in sessions], dtype=np.int64)
+        model_row = np.array([s.model.row for s in sessions], dtype=np.int64)  # -1: not in the rows
+        prompt = np.array([s.prompt_frames for s in sessions], dtype=np.int64)
+        arrived = np.array([s.first_frame_at for s in sessions], dtype=np.float64)  # NaN: no user frame yet
+        duplex = np.array([s.mode == "duplex" for s in sessions])
+        complete = self._complete(sessions, model_start, model_row)
+        starts, stops = self._sendable(sessions, complete, prompt, duplex, ~np.isnan(arrived))
         todo = np.flatnonzero(stops > starts)
         lengths = (stops - starts)[todo]
         for length in np.unique(lengths).tolist():
             picked = todo[lengths == length]
             items, first = [sessions[i] for i in picked.tolist()], starts[picked]
-            codes = self._frames_to_send(items, first, length)
+            codes = self._frames_to_send(items, first, model_row[picked], first - model_start[picked], length)
             if self.decoder is None:
                 out = codes  # codec-free: the sampled ids themselves
             else:
@@ -136,16 +142,18 @@ class AudioIO:
                 turn = s.turns[-1]
                 turn.times.setdefault("first_audio_out", now)
                 s.events.put(event(s.id, turn.id, a, audio, dict(turn.times)))
-            self._count_late(items, first, length, now)
+            late = self._late(arrived[picked], first - prompt[picked], length, now) * duplex[picked]
+            for i in np.flatnonzero(late).tolist():
+                items[i].deadline_misses += int(late[i])
+            self.stats.deadline_misses += int(late.sum())
 
-    def _sendable(self, sessions: list[Session]) -> tuple[np.ndarray, np.ndarray]:
+    @staticmethod
+    def _sendable(
+        sessions: list[Session], complete: np.ndarray, prompt: np.ndarray, duplex: np.ndarray, heard: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Each session's model frames to send now, `starts[i]..stops[i]-1`: duplex, every complete frame after the
         voice prompt once its user's first frame is in; turn mode, the reply's complete frames."""
         emitted = np.array([s.emitted for s in sessions], dtype=np.int64)
-        prompt = np.array([s.prompt_frames for s in sessions], dtype=np.int64)
-        duplex = np.array([s.mode == "duplex" for s in sessions])
-        heard = np.array([s.first_frame_at is not None for s in sessions])
-        complete = self._complete(sessions)
         starts = np.where(duplex, np.maximum(emitted, prompt), emitted)
         stops = np.where(heard, complete, starts)
         for i in np.flatnonzero(~duplex).tolist():
@@ -158,40 +166,31 @@ class AudioIO:
             stops[i] = max(s.emitted, stop)
         return starts, stops
 
-    def _complete(self, sessions: list[Session]) -> np.ndarray:
+    def _complete(self, sessions: list[Session], model_start: np.ndarray, model_row: np.ndarray) -> np.ndarray:
         """`Session.complete_model_frames` of each: the frame it counts up to is read for all at once in the rows,
         and only a session whose count moves on (or whose frames are not in the rows) counts on its own."""
         complete = np.array([s.complete for s in sessions], dtype=np.int64)
-        start = np.array([s.model.start for s in sessions], dtype=np.int64)
-        row = np.array([s.model.row for s in sessions], dtype=np.int64)
-        at = complete - start
-        in_rows = (row >= 0) & (at >= 0)
+        at = complete - model_start
+        in_rows = (model_row >= 0) & (at >= 0)
         check = np.flatnonzero(in_rows & (at < self.model_frames.array.shape[1]))
-        moves = (self.model_frames.array[row[check], at[check]] != UNKNOWN).all(-1)
+        moves = (self.model_frames.array[model_row[check], at[check]] != UNKNOWN).all(-1)
         for i in np.flatnonzero(~in_rows).tolist() + check[moves].tolist():
             complete[i] = sessions[i].complete_model_frames()
         return complete
 
-    def _frames_to_send(self, items: list[Session], first: np.ndarray, length: int) -> np.ndarray:
-        """`[n, K, length]`: each session's model frames from `first[i]` on, read from the rows at once where they
-        all are."""
-        if any(s.model.rows is None for s in items):
+    def _frames_to_send(
+        self, items: list[Session], first: np.ndarray, rows: np.ndarray, offsets: np.ndarray, length: int
+    ) -> np.ndarray:
+        """`[n, K, length]`: each session's model frames from `first[i]` on (`offsets[i]` in its row `rows[i]`), read
+        from the rows at once where they all are."""
+        if (rows < 0).any():
             return np.stack([s.model[a : a + length].T for s, a in zip(items, first.tolist(), strict=True)])
-        rows = np.array([s.row for s in items], dtype=np.int64)
-        offsets = first - np.array([s.model.start for s in items], dtype=np.int64)
         if offsets.min() < 0:
             raise IndexError("frames to send were forgotten")
         return self.model_frames.read(rows, offsets, length).transpose(0, 2, 1)
 
-    def _count_late(self, items: list[Session], first: np.ndarray, length: int, now: float) -> None:
-        """Duplex frames sent after their deadline (`frame_deadline`, for every frame of every duplex one at once)."""
-        duplex = [i for i, s in enumerate(items) if s.mode == "duplex"]
-        if not duplex:
-            return
-        arrived = np.array([items[i].first_frame_at for i in duplex], dtype=np.float64)
-        prompt = np.array([items[i].prompt_frames for i in duplex], dtype=np.int64)
-        since = (first[duplex] - prompt)[:, None] + np.arange(length)
-        late = (now > arrived[:, None] + (since + 1) * FRAME_S + self.jitter_buffer_s).sum(1)
-        for i in np.flatnonzero(late).tolist():
-            items[duplex[i]].deadline_misses += int(late[i])
-        self.stats.deadline_misses += int(late.sum())
+    def _late(self, arrived: np.ndarray, since: np.ndarray, length: int, now: float) -> np.ndarray:
+        """How many of each one's `length` frames, the first `since[i]` frames after its voice prompt, are sent after
+        their deadline (`frame_deadline`: its user's first frame `arrived[i]`)."""
+        frames = since[:, None] + np.arange(length)
+        return (now > arrived[:, None] + (frames + 1) * FRAME_S + self.jitter_buffer_s).sum(1)

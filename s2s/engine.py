@@ -418,7 +418,7 @@ class Engine:
         self.stats.phase_seconds[phase] += self.clock() - t
 
     def _publish(self) -> None:
-        sessions = [s.stats() for s in self.sessions.values()]
+        sessions = Session.stats_of(list(self.sessions.values()))
         self._snapshot = EngineSnapshot(len(self.sessions), self.cache.stats(), self.stats.copy(), sessions)
 
     def _loop(self) -> None:

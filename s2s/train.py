@@ -212,11 +212,15 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+QUICK = {"sentences": 12, "steps": 30, "batch": 4, "log_every": 10}  # `--quick`'s defaults (what is given stays)
+
+
 def main(argv: list[str]) -> None:
-    args = parser().parse_args(argv)
+    p = parser()
+    if p.parse_known_args(argv)[0].quick:
+        p.set_defaults(**QUICK)
+    args = p.parse_args(argv)
     args.argv = argv
-    if args.quick:
-        args.sentences, args.steps, args.batch, args.log_every = 12, 30, 4, 10
     out = train(args)
     record = json.loads((out / "training.json").read_text())
     curve, held = record["loss_curve"], record["held_out_accuracy"]
