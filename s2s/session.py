@@ -32,6 +32,51 @@ INPUT_GAP_S = 0.5  # input this far behind real time is a gap (muted, paused), n
 
 
 class Session(TurnLifecycle):
+    __slots__ = (  # (attributes inline in the object: the engine reads every session's several times a tick)
+        "_last_logits",
+        "bound",
+        "cached_at_open",
+        "cfg",
+        "codebook_delays",
+        "complete",
+        "computed",
+        "deadline_misses",
+        "delays",
+        "dropped",
+        "emitted",
+        "end_of_turn_at",
+        "events",
+        "first_frame_at",
+        "generator",
+        "handle",
+        "held",
+        "id",
+        "idle_frames",
+        "input_kind",
+        "input_s",
+        "input_started",
+        "last_active",
+        "last_heard",
+        "max_delay",
+        "min_delay",
+        "mode",
+        "model",
+        "open_key_steps",
+        "own_pages",
+        "pages",
+        "paused",
+        "pending",
+        "phase",
+        "prompt_frames",
+        "row",
+        "sampling",
+        "seen_inserts",
+        "sink",
+        "turns",
+        "user",
+        "user_frames",
+    )
+
     def __init__(
         self,
         cid: str,
@@ -437,19 +482,20 @@ class Session(TurnLifecycle):
 
     @staticmethod
     def stats_of(sessions: list[Session]) -> list[tuple]:
-        """Each one's `STATS`, in order (read a column at a time: the engine publishes them every tick)."""
-        return list(
-            zip(
-                [s.id for s in sessions],
-                [s.mode for s in sessions],
-                [s.phase.value for s in sessions],
-                [s.turns[-1].id if s.turns else 0 for s in sessions],
-                [s.computed for s in sessions],
-                [len(s.pages) for s in sessions],
-                [len(s.own_pages) for s in sessions],
-                [s.cached_at_open for s in sessions],
-                [s.emitted for s in sessions],
-                [s.deadline_misses for s in sessions],
-                strict=True,
+        """Each one's `STATS`, in order (one comprehension, no call per session: the engine publishes them every
+        tick)."""
+        return [
+            (
+                s.id,
+                s.mode,
+                s.phase.value,
+                s.turns[-1].id if s.turns else 0,
+                s.computed,
+                len(s.pages),
+                len(s.own_pages),
+                s.cached_at_open,
+                s.emitted,
+                s.deadline_misses,
             )
-        )
+            for s in sessions
+        ]

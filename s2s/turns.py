@@ -37,6 +37,8 @@ class Turn:
 class TurnLifecycle:
     """Methods of `Session` (it inherits them): the fields are its own."""
 
+    __slots__ = ()
+
     def hear(self, codes: np.ndarray, now: float) -> None:
         """New user frames `[K, n]` from the encoder (or pushed as codes). In turn mode, speech after an answered
         turn opens the next turn; while a reply plays, it is held."""
