@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
+import numpy as np
+
 from cache import MatchResult, OutOfPages, PagePool, make_cache
 from s2s.context import ContextBound
 from s2s.metrics import EngineStats
@@ -237,14 +239,26 @@ class KVManager:
     def grow_steps(self, sessions: list[Session], spare: int) -> bool:
         """Pages for one step of each session at once (the window slid first, as `reserve` does), where the free
         pages cover them and one more for each of `spare` others: no step is short then, whatever order `reserve`
-        would take them in. False, with nothing done, if they do not."""
+        would take them in. False, with nothing done, if they do not. The pages are taken in one `alloc`, the same
+        ones, in the same order, as one each would take."""
         ps = self.page_size
-        need = sum(max(0, -(-(s.computed + 1) // ps) - s.table_pages) for s in sessions)  # (a slide keeps these)
-        if need + spare > self.pool.num_free:
+        need = [max(0, -(-(s.computed + 1) // ps) - s.table_pages) for s in sessions]  # (a slide keeps these)
+        if max(need, default=0) > 1:
+            raise AssertionError("a session is more than a page short of its next step: it is not one step's growth")
+        if sum(need) + spare > self.pool.num_free:
             return False
         for s in sessions:
             self.slide(s)
-            self._grow(s, 1)
+        if self.reserves:  # naive: from the pages reserved at open
+            for s in sessions:
+                self._grow(s, 1)
+            return True
+        growing = [s for s, n in zip(sessions, need, strict=True) if n]
+        pages = self.cache.alloc(len(growing))
+        self.tables.append_each(np.array([s.row for s in growing], dtype=np.int64), pages)
+        for s, page in zip(growing, pages, strict=True):
+            s.pages.append(page)
+            s.own_pages.append(page)
         return True
 
     def _grow(self, s: Session, steps: int) -> None:

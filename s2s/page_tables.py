@@ -24,6 +24,13 @@ class PageTables:
         self.array[row, n : n + len(pages)] = pages
         self.lengths[row] = n + len(pages)
 
+    def append_each(self, rows: np.ndarray, pages: list[int]) -> None:
+        """Page `pages[i]` onto row `rows[i]`'s table (distinct rows)."""
+        lengths = self.lengths[rows]
+        self._reserve(int(lengths.max(initial=0)) + 1)
+        self.array[rows, lengths] = pages
+        self.lengths[rows] = lengths + 1
+
     def delete(self, row: int, start: int, count: int) -> None:
         """Pages `start .. start + count - 1` leave the row's table; those after them move up."""
         n = int(self.lengths[row])
