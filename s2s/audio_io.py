@@ -103,10 +103,10 @@ class AudioIO:
         offsets = heard - user_start
         if offsets.min() < 0:
             raise AssertionError("a duplex session's next user frame is before its recent frames")
-        self.user_frames.reserve(int(offsets.max()) + n + 1)
-        self.model_frames.reserve(int((heard + n + 1 - model_start).max()))
+        self.user_frames.room(rows, offsets + n + 1)  # (as `Session._ensure`)
+        self.model_frames.room(rows, heard + n + 1 - model_start)
         codes = np.array([c for _, c in items]).transpose(0, 2, 1)  # (np.stack costs three times as much)
-        self.user_frames.array[rows[:, None], offsets[:, None] + np.arange(n)] = codes
+        self.user_frames.write(rows, offsets[:, None] + np.arange(n), codes)
         for s, _ in items:
             s.heard_in_rows(n, now)
 
@@ -172,8 +172,8 @@ class AudioIO:
         complete = np.array([s.complete for s in sessions], dtype=np.int64)
         at = complete - model_start
         in_rows = (model_row >= 0) & (at >= 0)
-        check = np.flatnonzero(in_rows & (at < self.model_frames.array.shape[1]))
-        moves = (self.model_frames.array[model_row[check], at[check]] != UNKNOWN).all(-1)
+        check = np.flatnonzero(in_rows & (at < self.model_frames.held(model_row)))
+        moves = (self.model_frames.read(model_row[check], at[check], 1)[:, 0] != UNKNOWN).all(-1)
         for i in np.flatnonzero(~in_rows).tolist() + check[moves].tolist():
             complete[i] = sessions[i].complete_model_frames()
         return complete

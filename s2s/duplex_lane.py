@@ -278,6 +278,7 @@ class DuplexLane:
         offsets = (self.start[rows[at]] + step - model_start[at])[:, None] - self.delays[None, :]
         if offsets.min() < 0:
             raise AssertionError("a lane step's model code falls in forgotten frames")
-        self.model_rows.reserve(int((self.start[rows] + self.done[rows] + 2 - model_start).max()))  # as `accept`
-        session_rows = self.session_rows[rows[at]]
-        self.model_rows.array[session_rows[:, None], offsets, np.arange(k)[None, :]] = self.tokens[rows[at], step, k:]
+        self.model_rows.room(
+            self.session_rows[rows], self.start[rows] + self.done[rows] + 2 - model_start
+        )  # as `accept`
+        self.model_rows.write(self.session_rows[rows[at]], offsets, self.tokens[rows[at], step, k:], np.arange(k))

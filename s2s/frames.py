@@ -16,18 +16,24 @@ UNKNOWN = -1
 
 
 class FrameRows:
-    """One stream's recent frames of every live session, a row each: `array` `[rows, capacity, K]`. When a row
-    needs more room, every row grows (doubling, up to `limit` frames), and each attached `Frames` is handed its row of
-    the new array. A stream that needs more than `limit` leaves its row for an array of its own (`Frames.ensure`):
-    one conversation that falls far behind does not grow every row."""
+    """One stream's recent frames of every live session, a row each: `array` `[rows, capacity, K]`, row r's stream
+    from its frame `start` on at `array[r, base[r]:]`. Forgetting frames moves a row's base on (`advance`), not its
+    frames; a row whose base leaves too little room for what it must hold moves its frames to the front
+    (`room`), once in every capacity less window of frames. When a row needs more room than that, every row grows
+    (doubling, up to `limit` frames), and each attached `Frames` is handed its row of the new array. A stream that
+    needs more than `limit` leaves its row for an array of its own (`Frames.ensure`): one conversation that falls far
+    behind does not grow every row.
+
+    Readers and writers index the rows through `read`, `write` and `held`, by frames from each stream's `start`."""
 
     def __init__(self, rows: int, num_codebooks: int, limit: int):
         self.array = np.full((rows, min(64, limit), num_codebooks), UNKNOWN, dtype=np.int64)
+        self.base = np.zeros(rows, dtype=np.int64)
         self.attached: dict[int, Frames] = {}
         self.limit = limit
 
     def reserve(self, capacity: int) -> None:
-        """Room for `capacity` frames in every row (at most `limit`)."""
+        """Rows of at least `capacity` frames (at most `limit`)."""
         if capacity <= self.array.shape[1]:
             return
         if capacity > self.limit:
@@ -36,13 +42,59 @@ class FrameRows:
         grown = np.full((rows, min(max(capacity, 2 * held), self.limit), k), UNKNOWN, dtype=np.int64)
         grown[:, :held] = self.array
         self.array = grown
-        for row, frames in self.attached.items():
-            frames.data = grown[row]
+        for row in self.attached:
+            self._point(row)
+
+    def room(self, rows: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Room in row `rows[i]` for its stream's frames up to `ends[i]` - 1 (from its `start`); the rows' bases."""
+        if len(rows):
+            over = np.unique(rows[self.base[rows] + ends > self.array.shape[1]])
+            for row in over.tolist():
+                self._to_front(row)
+            self.reserve(int(ends.max()))
+        return self.base[rows]
+
+    def held(self, rows: np.ndarray) -> np.ndarray:
+        """Frames each row holds from its stream's `start` (UNKNOWN past what was written)."""
+        return self.array.shape[1] - self.base[rows]
 
     def read(self, rows: np.ndarray, offsets: np.ndarray, count: int) -> np.ndarray:
-        """`[n, count, K]`: row `rows[i]`'s frames from its index `offsets[i]` on (UNKNOWN past what is held)."""
-        self.reserve(int(offsets.max()) + count if len(rows) else 0)
-        return self.array[rows[:, None], offsets[:, None] + np.arange(count)]
+        """`[n, count, K]`: row `rows[i]`'s frames from `offsets[i]` on (UNKNOWN past what is held)."""
+        base = self.room(rows, offsets + count)
+        return self.array[rows[:, None], (base + offsets)[:, None] + np.arange(count)]
+
+    def write(self, rows: np.ndarray, offsets: np.ndarray, values: np.ndarray, codebooks: np.ndarray | None = None):
+        """Row `rows[i]`'s frames at `offsets[i, ...]` (from its stream's `start`) become `values[i, ...]`: whole
+        frames, or codebook `codebooks[..., j]` of each."""
+        base = self.room(rows, offsets.max(axis=1) + 1)
+        index = (rows[:, None], base[:, None] + offsets)
+        self.array[index if codebooks is None else (*index, codebooks)] = values
+
+    def advance(self, row: int, frames: int) -> None:
+        """The row's stream forgets its first `frames` frames from `start`: its base moves on past them."""
+        if frames >= self.array.shape[1] - self.base[row]:  # nothing it holds is kept
+            self.clear(row)
+        else:
+            self.base[row] += frames
+            self._point(row)
+
+    def clear(self, row: int) -> None:
+        """The row holds nothing, from its front."""
+        self.array[row] = UNKNOWN
+        self.base[row] = 0
+        self._point(row)
+
+    def _to_front(self, row: int) -> None:
+        base = int(self.base[row])
+        held = self.array.shape[1] - base
+        self.array[row, :held] = self.array[row, base:]
+        self.array[row, held:] = UNKNOWN
+        self.base[row] = 0
+        self._point(row)
+
+    def _point(self, row: int) -> None:
+        if (frames := self.attached.get(row)) is not None:
+            frames.data = self.array[row, self.base[row] :]
 
 
 class Frames:
@@ -61,11 +113,10 @@ class Frames:
         if len(self.data) > rows.limit:
             return
         rows.reserve(len(self.data))
-        target = rows.array[row]
-        target[: len(self.data)] = self.data
-        target[len(self.data) :] = UNKNOWN
-        self.data, self.rows, self.row = target, rows, row
+        own, self.rows, self.row = self.data, rows, row
         rows.attached[row] = self
+        rows.clear(row)  # (`data` is its row from here)
+        self.data[: len(own)] = own
 
     def detach(self) -> None:
         """`data` is its own again (a copy of its row, which the next session may take)."""
@@ -87,7 +138,8 @@ class Frames:
         """Room for frames up to `frames` - 1 (new ones UNKNOWN)."""
         if frames > self.start + len(self.data):
             if self.rows is not None and frames - self.start <= self.rows.limit:
-                return self.rows.reserve(frames - self.start)
+                self.rows.room(np.array([self.row]), np.array([frames - self.start]))
+                return
             self.detach()
             size = max(frames - self.start, 2 * len(self.data))
             grown = np.full((size, self.data.shape[1]), UNKNOWN, dtype=np.int64)
@@ -105,10 +157,8 @@ class Frames:
             raise ValueError(f"frames 0..{len(self.head) - 1} are kept, not 0..{keep - 1}")
         if self.rows is None:
             self.data = self.data[start - self.start :].copy()  # what is held from there, room to grow included
-        else:  # moved to the row's front
-            held = max(0, len(self.data) - (start - self.start))
-            self.data[:held] = self.data[len(self.data) - held :]
-            self.data[held:] = UNKNOWN
+        else:  # its row's base moves on: no frame moves
+            self.rows.advance(self.row, start - self.start)
         self.start = start
 
     def truncate(self, frame: int) -> None:
@@ -118,7 +168,7 @@ class Frames:
                 raise IndexError(f"frames {len(self.head)}..{self.start - 1} are forgotten: cannot cut at {frame}")
             if self.rows is not None and frame <= self.rows.limit:
                 self.rows.reserve(min(max(64, 2 * frame), self.rows.limit))
-                self.data[:] = UNKNOWN
+                self.rows.clear(self.row)
             else:
                 self.detach()
                 self.data = np.full((max(64, 2 * frame), self.data.shape[1]), UNKNOWN, dtype=np.int64)

@@ -33,17 +33,21 @@ def test_code_reads_what_gather_reads(known: int, keep: int, forget_to: int, sta
 
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["write", "fill", "forget", "truncate", "grow_other", "read"]), st.integers(0, 400)),
+    st.tuples(
+        st.sampled_from(["write", "fill", "write_rows", "forget", "truncate", "grow_other", "read"]),
+        st.integers(0, 400),
+    ),
     max_size=25,
 )
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(ops=OPS)
 def test_frames_in_rows_behave_as_their_own(ops: list[tuple[str, int]]) -> None:
     """A stream held in a row of `FrameRows` reads and writes what one holding its own array does, whatever it and
-    the other rows do (the rows grow for everyone, and each attached stream follows its row); `FrameRows.read`
-    reads what `window` does, and a detached copy keeps the frames."""
+    the other rows do (a forget moves its row's base on, a write past the row's end moves its frames to the front or
+    grows every row, and each attached stream follows its row); `FrameRows.read` and `write` read and write what its
+    own frames do, and a detached copy keeps the frames."""
     own, held, other, rows = Frames(2), Frames(2), Frames(2), FrameRows(3, 2, limit=512)  # (past it: its own array)
     held.attach(rows, 1)
     other.attach(rows, 2)
@@ -54,6 +58,16 @@ def test_frames_in_rows_behave_as_their_own(ops: list[tuple[str, int]]) -> None:
             for frames in (own, held):
                 frames.ensure(written + count)
                 frames[written : written + count] = np.arange(2 * count).reshape(-1, 2) + written
+            written += count
+        elif op == "write_rows":  # through the rows' own writer, where the stream is in its row
+            count, values = n % 20 + 1, np.arange(2 * (n % 20 + 1)).reshape(-1, 2) + 1000 + written
+            own.ensure(written + count)
+            own[written : written + count] = values
+            if held.rows is not None and written + count - held.start <= rows.limit and written >= held.start:
+                rows.write(np.array([1]), np.arange(written, written + count)[None, :] - held.start, values[None])
+            else:
+                held.ensure(written + count)
+                held[written : written + count] = values
             written += count
         elif op == "forget" and n < written:
             kept = min(n, 8) if kept is None else kept
@@ -68,6 +82,7 @@ def test_frames_in_rows_behave_as_their_own(ops: list[tuple[str, int]]) -> None:
         elif op == "grow_other":
             other.ensure(other.start + len(other.data) + n)
         assert held.start == own.start and np.array_equal(held.head, own.head)
+        assert held.rows is None or rows.held(np.array([1]))[0] == len(held.data)
         stop = max(len(own), len(held))
         frames = np.arange(held.start, stop)[:, None]
         assert np.array_equal(held.gather(frames, np.arange(2)), own.gather(frames, np.arange(2)))
