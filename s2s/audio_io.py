@@ -190,7 +190,7 @@ class AudioIO:
         return self.model_frames.read(rows, offsets, length).transpose(0, 2, 1)
 
     def _late(self, arrived: np.ndarray, since: np.ndarray, length: int, now: float) -> np.ndarray:
-        """How many of each one's `length` frames, the first `since[i]` frames after its voice prompt, are sent after
-        their deadline (`frame_deadline`: its user's first frame `arrived[i]`)."""
+        """How many of each one's `length` frames, from the `since[i]`-th after its voice prompt on, are sent after
+        their deadline (`frame_deadline`, counted from `arrived[i]`, when its user's first frame came in)."""
         frames = since[:, None] + np.arange(length)
         return (now > arrived[:, None] + (frames + 1) * FRAME_S + self.jitter_buffer_s).sum(1)

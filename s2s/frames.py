@@ -63,7 +63,9 @@ class FrameRows:
         base = self.room(rows, offsets + count)
         return self.array[rows[:, None], (base + offsets)[:, None] + np.arange(count)]
 
-    def write(self, rows: np.ndarray, offsets: np.ndarray, values: np.ndarray, codebooks: np.ndarray | None = None):
+    def write(
+        self, rows: np.ndarray, offsets: np.ndarray, values: np.ndarray, codebooks: np.ndarray | None = None
+    ) -> None:
         """Row `rows[i]`'s frames at `offsets[i, ...]` (from its stream's `start`) become `values[i, ...]`: whole
         frames, or codebook `codebooks[..., j]` of each."""
         base = self.room(rows, offsets.max(axis=1) + 1)
