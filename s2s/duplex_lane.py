@@ -278,7 +278,6 @@ class DuplexLane:
         offsets = (self.start[rows[at]] + step - model_start[at])[:, None] - self.delays[None, :]
         if offsets.min() < 0:
             raise AssertionError("a lane step's model code falls in forgotten frames")
-        self.model_rows.room(
-            self.session_rows[rows], self.start[rows] + self.done[rows] + 2 - model_start
-        )  # as `accept`
+        held_to = self.start[rows] + self.done[rows] + 2 - model_start  # room as `accept` makes (`Session._ensure`)
+        self.model_rows.room(self.session_rows[rows], held_to)
         self.model_rows.write(self.session_rows[rows[at]], offsets, self.tokens[rows[at], step, k:], np.arange(k))

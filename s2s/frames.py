@@ -48,8 +48,8 @@ class FrameRows:
     def room(self, rows: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Room in row `rows[i]` for its stream's frames up to `ends[i]` - 1 (from its `start`); the rows' bases."""
         if len(rows):
-            over = np.unique(rows[self.base[rows] + ends > self.array.shape[1]])
-            for row in over.tolist():
+            over = self.base[rows] + ends > self.array.shape[1]
+            for row in np.unique(rows[over]).tolist() if over.any() else ():
                 self._to_front(row)
             self.reserve(int(ends.max()))
         return self.base[rows]
