@@ -107,8 +107,7 @@ class AudioIO:
         self.model_frames.room(rows, heard + n + 1 - model_start)
         codes = np.array([c for _, c in items]).transpose(0, 2, 1)  # (np.stack costs three times as much)
         self.user_frames.write(rows, offsets[:, None] + np.arange(n), codes)
-        for s, _ in items:
-            s.heard_in_rows(n, now)
+        Session.heard_in_rows([s for s, _ in items], n, now)
 
     def decode(self, sessions: Iterable[Session], first_audio_only: bool = False) -> None:
         """Decode and send every session's newly complete frames (one decoder call per chunk length).

@@ -74,7 +74,7 @@ class DuplexLane:
     def take(self, sessions: list[Session]) -> None:
         """This tick's rows: each steady duplex session that has a step to take."""
         self._all, self.sessions, self._row_of = sessions, [], {}
-        self.start = self.sink = self.dropped = self.session_rows = np.zeros(0, dtype=np.int64)
+        self.start = self.sink = self.dropped = self.session_rows = self.page_round = np.zeros(0, dtype=np.int64)
         if self.rounds:
             self._take_rows(sessions)
         rows = self.sessions
@@ -124,6 +124,7 @@ class DuplexLane:
         self.stopped_unknown = ~known[kept, steps[kept]]  # the step it stopped at is not known
         self.start, self.sink, self.dropped = computed[taken], sink[taken], dropped[taken]
         self.session_rows = row[taken]  # its session's row (frames, page table)
+        self.page_round = self._page_due(np.arange(len(taken)), 0)
 
     def _steps(self, users: np.ndarray, models: np.ndarray) -> np.ndarray:
         """Step tokens `[n, rounds + 2, 2K]` from each row's frames `[n, width, K]` from its first step's less the
@@ -157,25 +158,40 @@ class DuplexLane:
         back, and `grow` gives them their pages at once where the pool has room for everyone's step (returning
         True); if not, the scheduler picks their step and reserves its page with everyone else's, earliest deadline
         first, preempting as it would, and `keep_reserved` takes back the ones that got their pages."""
-        rows = self._stepping(index)
         self._needy: dict[str, int] = {}
-        if not len(rows):
+        self._index = index
+        if not self.sessions:
             return self.others
-        ps, sink, dropped = self.bound.page_size, self.sink[rows], self.dropped[rows]
-        lengths = self.page_tables.lengths[self.session_rows[rows]]
-        computed = self.start[rows] + index
-        need = -(-(computed + 1) // ps) - (lengths + np.where(lengths >= sink, dropped, 0))
-        drop = np.maximum(computed // ps - self.bound.window_pages + 1 - sink, 0) - dropped  # `KVManager.slide`'s
-        needy = rows[(need > 0) | ((drop > 0) & (lengths >= sink + drop))].tolist()
+        needy = np.flatnonzero((self.page_round == index) & (self.steps > index)).tolist()
         if not needy:
             return self.others
         self._give_steps(needy)
         if grow(sessions := [self.sessions[row] for row in needy]):
-            for row, s in zip(needy, sessions, strict=True):
-                self.dropped[row] = s.dropped
+            self._paged(needy)
             return self.others
         self._needy = {s.id: row for row, s in zip(needy, sessions, strict=True)}
         return [s for s in self._all if s.id not in self._row_of or s.id in self._needy]
+
+    def _page_due(self, rows: np.ndarray, first: int) -> np.ndarray:
+        """Each row's first round from `first` on whose step needs a new page, or slides its window past a page
+        (`KVManager.slide`'s), with its page table as it is now; `rounds` where none does. Only `schedulable`
+        changes a row's table in a tick, and it asks again for the rows it gave pages."""
+        if first >= self.rounds:
+            return np.full(len(rows), self.rounds)
+        ps, sink, dropped = self.bound.page_size, self.sink[rows, None], self.dropped[rows, None]
+        lengths = self.page_tables.lengths[self.session_rows[rows]][:, None]
+        computed = self.start[rows, None] + np.arange(first, self.rounds)
+        need = -(-(computed + 1) // ps) - (lengths + np.where(lengths >= sink, dropped, 0))
+        drop = np.maximum(computed // ps - self.bound.window_pages + 1 - sink, 0) - dropped
+        due = (need > 0) | ((drop > 0) & (lengths >= sink + drop))
+        return np.where(due.any(1), first + due.argmax(1), self.rounds)
+
+    def _paged(self, rows: list[int]) -> None:
+        """The rows' steps of this round have their pages: their gaps as they are now, and their next rounds due."""
+        for row in rows:
+            self.dropped[row] = self.sessions[row].dropped
+        rows = np.array(rows, dtype=np.int64)
+        self.page_round[rows] = self._page_due(rows, self._index + 1)
 
     def keep_reserved(self, work: list[Work]) -> list[Work]:
         """The scheduler's reserved work less the steps of rows from `schedulable`: a row whose step kept its place
@@ -183,12 +199,13 @@ class DuplexLane:
         leaves it, and the scheduler has it from now on."""
         if not self._needy:
             return work
-        kept = []
+        kept, paged = [], []
         for w in work:
             if (row := self._needy.pop(w.session.id, None)) is not None and w.session.id in self._row_of:
-                self.dropped[row] = w.session.dropped
+                paged.append(row)
             else:
                 kept.append(w)
+        self._paged(paged)
         for cid, row in self._needy.items():
             if cid in self._row_of:
                 self._leave(row)
@@ -261,9 +278,9 @@ class DuplexLane:
             last = np.sort(rows[self.done[rows] == index + 1])
             if not len(last):
                 continue
-            steps = (self.done[last] - self.given[last]).tolist()
-            for row, at, n in zip(last.tolist(), np.searchsorted(stepped, last).tolist(), steps, strict=True):
-                self.sessions[row].record_steps(n, logits, at, now)
+            sessions = [self.sessions[row] for row in last.tolist()]
+            computed = (self.start[last] + self.done[last]).tolist()
+            Session.record_steps(sessions, computed, logits, np.searchsorted(stepped, last).tolist(), now)
         self.given[rows] = self.done[rows]
 
     def _write_model_codes(self, rows: np.ndarray) -> None:

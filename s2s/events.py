@@ -13,7 +13,7 @@ import numpy as np
 from codec.pcm import FRAME_SIZE
 
 
-@dataclass
+@dataclass(slots=True)
 class AudioEvent:
     session: str
     turn: int
@@ -22,7 +22,7 @@ class AudioEvent:
     times: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class CodesEvent:
     """Model frames `[K, n]` from `first_frame` on, as sampled ids (codec-free engines emit these instead of PCM)."""
 
@@ -33,7 +33,7 @@ class CodesEvent:
     times: dict[str, float] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class MetaEvent:
     session: str
     turn: int

@@ -48,7 +48,7 @@ class FrameRows:
     def room(self, rows: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Room in row `rows[i]` for its stream's frames up to `ends[i]` - 1 (from its `start`); the rows' bases."""
         if len(rows):
-            over = self.base[rows] + ends > self.array.shape[1]
+            over = (self.base[rows] + ends > self.array.shape[1]) & (self.base[rows] > 0)  # (else it grows)
             for row in np.unique(rows[over]).tolist() if over.any() else ():
                 self._to_front(row)
             self.reserve(int(ends.max()))
@@ -61,7 +61,8 @@ class FrameRows:
     def read(self, rows: np.ndarray, offsets: np.ndarray, count: int) -> np.ndarray:
         """`[n, count, K]`: row `rows[i]`'s frames from `offsets[i]` on (UNKNOWN past what is held)."""
         base = self.room(rows, offsets + count)
-        return self.array[rows[:, None], (base + offsets)[:, None] + np.arange(count)]
+        at = (rows * self.array.shape[1] + base + offsets)[:, None] + np.arange(count)
+        return np.take(self.array.reshape(-1, self.array.shape[2]), at, axis=0)  # (a third of indexing's time)
 
     def write(
         self, rows: np.ndarray, offsets: np.ndarray, values: np.ndarray, codebooks: np.ndarray | None = None

@@ -223,10 +223,15 @@ class Session(TurnLifecycle):
             self.model[f : f + n] = self.cfg.silent_id
         self.user_frames += n
 
-    def heard_in_rows(self, n: int, now: float) -> None:
-        """Duplex: `n` new user frames, which the caller has written into its row (`AudioIO`, for many at once)."""
-        self.heard_at(now)
-        self.user_frames += n
+    @staticmethod
+    def heard_in_rows(sessions: list[Session], n: int, now: float) -> None:
+        """Duplex: `n` new user frames of each, which the caller has written into their rows (`AudioIO`). One loop
+        for all: `heard_at` and the count, without a call per session."""
+        for s in sessions:
+            if s.first_frame_at is None:
+                s.first_frame_at = now
+            s.last_heard = now
+            s.user_frames += n
 
     def step_token(self, t: int) -> np.ndarray | None:
         """Step t's 2K codes, or None while some of them are unknown."""
@@ -398,14 +403,18 @@ class Session(TurnLifecycle):
             else:
                 model[f, k] = codes[k]
 
-    def record_steps(self, steps: int, logits: torch.Tensor, row: int, now: float) -> None:
-        """`steps` decode steps from `computed` on were computed and sampled (`DuplexLane`, which wrote their model
-        codes into its rows); row `row` of `logits` is the last step's."""
-        t = self.computed
-        self.advance(steps)
-        self._last_logits, self.last_active = (logits, row), now
-        # every codebook of frame t + steps - max_delay is known now, and of each before it (steps up to t were known)
-        self.complete = max(self.complete, t + steps + 1 - self.max_delay)
+    @staticmethod
+    def record_steps(
+        sessions: list[Session], computed: list[int], logits: torch.Tensor, rows: list[int], now: float
+    ) -> None:
+        """Decode steps of each session up to `computed[i]` were computed and sampled (`DuplexLane`, which wrote their
+        model codes into its rows, and steps none past its sink with a gap: `advance` would only add); row `rows[i]`
+        of `logits` is its last step's. One loop for all, without a call per session."""
+        for s, t, row in zip(sessions, computed, rows, strict=True):
+            s.computed, s._last_logits, s.last_active = t, (logits, row), now
+            # every codebook of frame t - max_delay is known now, and of each before it (the steps before were known)
+            if t + 1 - s.max_delay > s.complete:
+                s.complete = t + 1 - s.max_delay
 
     def complete_model_frames(self) -> int:
         """Model frames whose every codebook is known, counted from frame 0 (contiguous)."""
@@ -488,7 +497,7 @@ class Session(TurnLifecycle):
             (
                 s.id,
                 s.mode,
-                s.phase.value,
+                s.phase._value_,  # (`.value` is a property: a call per session)
                 s.turns[-1].id if s.turns else 0,
                 s.computed,
                 len(s.pages),

@@ -22,17 +22,25 @@ def model() -> S2SModel:
 
 
 def run(
-    engine_class: type[Engine], model: S2SModel, num_pages: int, seed: int, edits: bool, frame_limit: int | None = None
+    engine_class: type[Engine],
+    model: S2SModel,
+    num_pages: int,
+    seed: int,
+    edits: bool,
+    frame_limit: int | None = None,
+    page_size: int = 16,
 ) -> tuple:
     """A scripted mix on a bounded context: duplex conversations with and without a shared voice prompt, fed
     uneven blocks, beside turn conversations; with `edits`, one paused and started again, one restarted, one closed
     and another opened meanwhile. After each tick, the engine loop's `_behind` is checked against every session.
-    `frame_limit`: the frames a row of the engine's `FrameRows` may hold. Returns each conversation's events (codes
+    `frame_limit`: the frames a row of the engine's `FrameRows` may hold; `page_size`: the cache's (below a tick's
+    4 rounds, a row's steps need pages in more than one round of a tick). Returns each conversation's events (codes
     by first frame, and meta), the steps the lane took, who was preempted at which tick, how often the pool ran out,
     how many sessions' frames left the rows (at the end of a tick, summed over the ticks), and how often rows that
     needed a page got it at once and how often through the scheduler."""
     cfg = EngineConfig(
         max_context=48,
+        page_size=page_size,
         num_pages=num_pages,
         calibration_ticks=0,
         max_conversations=12,
@@ -123,12 +131,18 @@ def run(
     return events, lane_steps[0], victims, engine.stats.out_of_pages, left, at_once
 
 
-@pytest.mark.parametrize(("num_pages", "seed", "edits"), [(400, 0, True), (28, 0, True), (24, 1, False)])
-def test_the_lane_streams_what_the_scheduler_streams(model, num_pages: int, seed: int, edits: bool) -> None:
+@pytest.mark.parametrize(
+    ("num_pages", "seed", "edits", "page_size"),
+    [(400, 0, True, 16), (28, 0, True, 16), (24, 1, False, 16), (800, 2, True, 2)],
+)
+def test_the_lane_streams_what_the_scheduler_streams(
+    model, num_pages: int, seed: int, edits: bool, page_size: int
+) -> None:
     """The same scripted mix with and without the lane: every conversation gets the same events, tick for tick, and
     the same conversations are preempted at the same ticks, with plenty of pages and with a pool short enough that
-    they preempt each other (a row whose step needs a page then competes for it in deadline order)."""
-    with_lane, without = run(Engine, model, num_pages, seed, edits), run(WithoutLane, model, num_pages, seed, edits)
+    they preempt each other (a row whose step needs a page then competes for it in deadline order), and with pages
+    shorter than a tick."""
+    with_lane, without = (run(c, model, num_pages, seed, edits, page_size=page_size) for c in (Engine, WithoutLane))
     assert with_lane[1] > 1000 and without[1] == 0, "the lane took the steady duplex steps"
     assert with_lane[5][0] > 0, "rows that needed a page got it at once"
     if num_pages < 400:
