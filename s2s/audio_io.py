@@ -86,20 +86,19 @@ class AudioIO:
     def _hear_duplex(self, n: int, items: list[tuple[Session, np.ndarray]], now: float) -> None:
         """`Session.hear` of duplex sessions' `n` new frames each, written into their rows at once; one whose frames
         are not in the rows, or would not fit in them, hears them on its own (its frames then leave the rows)."""
-        user_start = np.array([s.user.start for s, _ in items], dtype=np.int64)
-        model_start = np.array([s.model.start for s, _ in items], dtype=np.int64)
+        rows = np.array([s.row for s, _ in items], dtype=np.int64)
+        user_start, model_start = self.user_frames.start[rows], self.model_frames.start[rows]
         heard = np.array([s.user_frames for s, _ in items], dtype=np.int64)
         fits = heard + n + 1 - np.minimum(user_start, model_start) <= self.user_frames.limit
-        fits &= np.array([s.user.rows is not None and s.model.rows is not None for s, _ in items])
+        fits &= self.user_frames.holding[rows] & self.model_frames.holding[rows]
         if not fits.all():
             for i in np.flatnonzero(~fits).tolist():
                 items[i][0].hear(items[i][1], now)
             keep = np.flatnonzero(fits)
             items = [items[i] for i in keep.tolist()]
-            user_start, model_start, heard = user_start[keep], model_start[keep], heard[keep]
+            rows, user_start, model_start, heard = rows[keep], user_start[keep], model_start[keep], heard[keep]
             if not items:
                 return
-        rows = np.array([s.row for s, _ in items], dtype=np.int64)
         offsets = heard - user_start
         if offsets.min() < 0:
             raise AssertionError("a duplex session's next user frame is before its recent frames")
@@ -116,8 +115,9 @@ class AudioIO:
         sessions = [s for s in sessions if first_audio_due(s)] if first_audio_only else list(sessions)
         if not sessions:
             return
-        model_start = np.array([s.model.start for s in sessions], dtype=np.int64)
-        model_row = np.array([s.model.row for s in sessions], dtype=np.int64)  # -1: not in the rows
+        row = np.array([s.row for s in sessions], dtype=np.int64)
+        model_start = self.model_frames.start[row]  # (where it is in the rows)
+        model_row = np.where(self.model_frames.holding[row], row, -1)  # -1: not in the rows
         prompt = np.array([s.prompt_frames for s in sessions], dtype=np.int64)
         arrived = np.array([s.first_frame_at for s in sessions], dtype=np.float64)  # NaN: no user frame yet
         duplex = np.array([s.mode == "duplex" for s in sessions])

@@ -86,25 +86,21 @@ class DuplexLane:
         self._logits: list[tuple[torch.Tensor, np.ndarray, float]] = []  # each round's: rows' logits, rows, when
 
     def _take_rows(self, sessions: list[Session]) -> None:
-        sessions = [
-            s
-            for s in sessions
-            if s.mode == "duplex" and not s.paused and s.user.rows is not None and s.model.rows is not None
-        ]
+        sessions = [s for s in sessions if s.mode == "duplex" and not s.paused]
         if not sessions:
             return
         computed = np.array([s.computed for s in sessions], dtype=np.int64)
-        user_start = np.array([s.user.start for s in sessions], dtype=np.int64)
-        model_start = np.array([s.model.start for s in sessions], dtype=np.int64)
         sink = np.array([s.sink for s in sessions], dtype=np.int64)
         dropped = np.array([s.dropped for s in sessions], dtype=np.int64)
         prompt_frames = np.array([s.prompt_frames for s in sessions], dtype=np.int64)
         row = np.array([s.row for s in sessions], dtype=np.int64)
         width = self.max_delay + self.rounds + 2
         first = computed - self.max_delay  # the first frame its steps of the tick read
-        user_at, model_at = first - user_start, first - model_start
+        user_at, model_at = first - self.user_rows.start[row], first - self.model_rows.start[row]
         candidates = np.flatnonzero(
-            (np.minimum(user_at, model_at) >= 0)  # reads only recent frames
+            self.user_rows.holding[row]  # its frames are in the rows
+            & self.model_rows.holding[row]
+            & (np.minimum(user_at, model_at) >= 0)  # reads only recent frames
             & ~((dropped > 0) & (computed < sink * self.bound.page_size))  # not recomputing its sink (a gap)
             & (np.maximum(user_at, model_at) + width <= self.user_rows.limit)  # (else it leaves its rows)
         )
@@ -286,15 +282,15 @@ class DuplexLane:
     def _write_model_codes(self, rows: np.ndarray) -> None:
         """The model codes of the rows' steps not yet given back, into their sessions' model frames: step
         `start + j`'s codebook k is frame `start + j - delays[k]`'s."""
-        k, sessions = len(self.delays), [self.sessions[r] for r in rows.tolist()]
-        if any(s.model.rows is None for s in sessions):
+        k, session_rows = len(self.delays), self.session_rows[rows]
+        if not self.model_rows.holding[session_rows].all():
             raise AssertionError("a lane row's model frames left the engine's rows")
         step = np.arange(self.rounds + 1)
         at, step = np.nonzero((step > self.given[rows, None]) & (step <= self.done[rows, None]))
-        model_start = np.array([s.model.start for s in sessions], dtype=np.int64)
+        model_start = self.model_rows.start[session_rows]
         offsets = (self.start[rows[at]] + step - model_start[at])[:, None] - self.delays[None, :]
         if offsets.min() < 0:
             raise AssertionError("a lane step's model code falls in forgotten frames")
         held_to = self.start[rows] + self.done[rows] + 2 - model_start  # room as `accept` makes (`Session._ensure`)
-        self.model_rows.room(self.session_rows[rows], held_to)
-        self.model_rows.write(self.session_rows[rows[at]], offsets, self.tokens[rows[at], step, k:], np.arange(k))
+        self.model_rows.room(session_rows, held_to)
+        self.model_rows.write(session_rows[at], offsets, self.tokens[rows[at], step, k:], np.arange(k))

@@ -24,11 +24,15 @@ class FrameRows:
     needs more than `limit` leaves its row for an array of its own (`Frames.ensure`): one conversation that falls far
     behind does not grow every row.
 
-    Readers and writers index the rows through `read`, `write` and `held`, by frames from each stream's `start`."""
+    Readers and writers index the rows through `read`, `write` and `held`, by frames from each stream's `start`,
+    which `start` holds for every row (and `holding` which rows hold a stream), so that a tick reads them for many
+    sessions at once."""
 
     def __init__(self, rows: int, num_codebooks: int, limit: int):
         self.array = np.full((rows, min(64, limit), num_codebooks), UNKNOWN, dtype=np.int64)
         self.base = np.zeros(rows, dtype=np.int64)
+        self.start = np.zeros(rows, dtype=np.int64)  # each attached stream's `Frames.start`
+        self.holding = np.zeros(rows, dtype=bool)  # the rows in `attached`
         self.attached: dict[int, Frames] = {}
         self.limit = limit
 
@@ -75,16 +79,18 @@ class FrameRows:
 
     def advance(self, row: int, frames: int) -> None:
         """The row's stream forgets its first `frames` frames from `start`: its base moves on past them."""
+        start = self.start[row] + frames
         if frames >= self.array.shape[1] - self.base[row]:  # nothing it holds is kept
             self.clear(row)
         else:
             self.base[row] += frames
             self._point(row)
+        self.start[row] = start
 
     def clear(self, row: int) -> None:
-        """The row holds nothing, from its front."""
+        """The row holds nothing, from its front, and its stream starts at frame 0."""
         self.array[row] = UNKNOWN
-        self.base[row] = 0
+        self.base[row] = self.start[row] = 0
         self._point(row)
 
     def _to_front(self, row: int) -> None:
@@ -117,14 +123,16 @@ class Frames:
             return
         rows.reserve(len(self.data))
         own, self.rows, self.row = self.data, rows, row
-        rows.attached[row] = self
+        rows.attached[row], rows.holding[row] = self, True
         rows.clear(row)  # (`data` is its row from here)
+        rows.start[row] = self.start
         self.data[: len(own)] = own
 
     def detach(self) -> None:
         """`data` is its own again (a copy of its row, which the next session may take)."""
         if self.rows is not None:
             del self.rows.attached[self.row]
+            self.rows.holding[self.row] = False
             self.data, self.rows, self.row = self.data.copy(), None, -1
 
     def __deepcopy__(self, memo: dict) -> Frames:

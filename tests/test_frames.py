@@ -83,6 +83,8 @@ def test_frames_in_rows_behave_as_their_own(ops: list[tuple[str, int]]) -> None:
             other.ensure(other.start + len(other.data) + n)
         assert held.start == own.start and np.array_equal(held.head, own.head)
         assert held.rows is None or rows.held(np.array([1]))[0] == len(held.data)
+        assert rows.holding.tolist() == [False, held.rows is not None, other.rows is not None]
+        assert held.rows is None or rows.start[1] == held.start
         stop = max(len(own), len(held))
         frames = np.arange(held.start, stop)[:, None]
         assert np.array_equal(held.gather(frames, np.arange(2)), own.gather(frames, np.arange(2)))
@@ -92,7 +94,7 @@ def test_frames_in_rows_behave_as_their_own(ops: list[tuple[str, int]]) -> None:
     assert rows.array.shape[1] <= rows.limit
     copy = deepcopy(held)
     held.detach()
-    assert copy.rows is None and held.rows is None and 1 not in rows.attached
+    assert copy.rows is None and held.rows is None and 1 not in rows.attached and not rows.holding[1]
     frames = np.arange(own.start, len(own))[:, None]
     for frames_of in (copy, held):
         assert np.array_equal(frames_of.gather(frames, np.arange(2)), own.gather(frames, np.arange(2)))
