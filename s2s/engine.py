@@ -240,8 +240,7 @@ class Engine:
     def close(self, cid: str) -> None:
         """End the conversation: its context goes into the prefix cache, its private pages are freed, and its event
         queue ends with None. It can be resumed within `session_ttl_s`."""
-        s = self.registry.close(cid)
-        self._commands.put(functools.partial(self._apply_close, s))
+        self.registry.close(cid, then=lambda s: self._commands.put(functools.partial(self._apply_close, s)))
 
     def discard(self, cid: str) -> None:
         """Drop a session at once, keeping and caching nothing (calibration's). Only from the thread that calls

@@ -99,13 +99,17 @@ class Registry:
             raise ValueError(f"session {cid!r} is fed {s.input_kind}, not {kind}")
         return s
 
-    def close(self, cid: str, resumable: bool = True) -> Session:
-        """The session leaves; its row is free for the next (whose open the engine applies after this close)."""
+    def close(self, cid: str, resumable: bool = True, then: Callable[[Session], None] | None = None) -> Session:
+        """The session leaves; its row is free for the next. `then(session)` runs before the row is free, under the
+        lock (the engine queues its close there: an open on another thread that takes the row queues its own after
+        it, so the engine never opens a session on a row still held)."""
         with self._lock:
             s = self.get(cid)
             del self._open[cid]
             if resumable:
                 self._resumable[cid] = self.clock()
+            if then is not None:
+                then(s)
             self._free_rows.append(s.row)
             return s
 

@@ -272,6 +272,35 @@ def test_refuses_past_max_conversations(model, tok) -> None:
         engine.open("simplex")
 
 
+def test_an_open_on_another_thread_never_takes_a_row_before_its_close_is_queued(model, tok) -> None:
+    """A close and an open on two threads, the open's caller running just as the close queues its command: the open
+    waits for the close to be queued and takes the freed row after it, so the engine opens it on a free row."""
+    engine = make(model, tok, max_conversations=1)
+    first = engine.open("duplex")
+    engine.step()
+    events, commands, opened = engine.event_queue(first), engine._commands, []
+
+    class Racing:  # the engine's command queue, where another caller opens as the close is queued
+        get_nowait = commands.get_nowait
+
+        @staticmethod
+        def put(command) -> None:
+            if getattr(command, "func", None) == engine._apply_close:
+                other = threading.Thread(target=lambda: opened.append(engine.open("duplex")))
+                other.start()
+                other.join(0.5)  # the other caller's open runs now, if nothing holds it back
+            commands.put(command)
+
+    engine._commands = Racing
+    engine.close(first)
+    engine._commands = commands
+    while not opened:
+        time.sleep(0.01)
+    engine.step()
+    assert list(engine.sessions) == opened, "the open applied after the close, on its row"
+    assert list(events.queue)[-1] is None, "the first one's events ended"
+
+
 def test_barge_in_keeps_only_played_frames(model, tok) -> None:
     engine = make(model, tok, "radix")
     engine.cfg.max_reply_frames = 60
