@@ -140,7 +140,7 @@ class AudioIO:
                 s.emitted = a + length
                 turn = s.turns[-1]
                 turn.times.setdefault("first_audio_out", now)
-                s.events.put(event(s.id, turn.id, a, audio, dict(turn.times)))
+                s.events.put(event(s.id, turn.id, a, audio, dict(turn.times)), length)
             late = self._late(arrived[picked], first - prompt[picked], length, now) * duplex[picked]
             for i in np.flatnonzero(late).tolist():
                 items[i].deadline_misses += int(late[i])

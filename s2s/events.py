@@ -71,11 +71,12 @@ class EventQueue:
         self._frames_put = self._frames_got = 0  # the writer's count and the readers' (the lock's)
         self.overflowed = False
 
-    def put(self, item: AudioEvent | CodesEvent | MetaEvent | None) -> None:
+    def put(self, item: AudioEvent | CodesEvent | MetaEvent | None, frames: int | None = None) -> None:
+        """`frames`: the item's frames of output, where the writer knows them (else counted here)."""
         if item is not None:
             if self.overflowed:
                 return
-            self._frames_put += _frames(item)
+            self._frames_put += _frames(item) if frames is None else frames
             if self._frames_put - self._frames_got > self.max_frames:
                 with self.mutex:
                     self.queue.clear()

@@ -127,6 +127,7 @@ def run(
             for e in (q.get() for _ in range(q.qsize()))
             if isinstance(e, CodesEvent | MetaEvent)
         ]
+        assert q.frames == 0, "the frames the engine counted as it put its events are those read"
     assert ahead[0] > 5, "some ticks ended with input ahead of real time"
     return events, lane_steps[0], victims, engine.stats.out_of_pages, left, at_once
 
