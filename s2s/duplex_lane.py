@@ -65,7 +65,8 @@ class DuplexLane:
         self.sessions: list[Session] = []  # the rows' sessions
         self.others: list[Session] = []  # the tick's other sessions, in the order they opened: the scheduler's
         self._all: list[Session] = []
-        self._row_of: dict[str, int] = {}  # rows still stepping or holding steps to give back
+        self._in_lane = np.zeros(0, dtype=bool)  # rows still stepping or holding steps to give back
+        self._ids: dict[str, int] | None = None  # those rows by session id, once asked (`_row_of`)
         self.ahead = False  # after a tick: some row could take another step now (input came ahead of real time)
         self.rest: list[Session] = []  # after a tick: the sessions it did not end as rows
         self.stalled: list[Session] = []  # after a tick: rows that met a step not known (`Scheduler.forget` them)
@@ -73,12 +74,15 @@ class DuplexLane:
 
     def take(self, sessions: list[Session]) -> None:
         """This tick's rows: each steady duplex session that has a step to take."""
-        self._all, self.sessions, self._row_of = sessions, [], {}
+        self._all, self.sessions, self._in_lane, self._ids = sessions, [], np.zeros(0, dtype=bool), None
         self.start = self.sink = self.dropped = self.session_rows = self.page_round = np.zeros(0, dtype=np.int64)
         if self.rounds:
             self._take_rows(sessions)
         rows = self.sessions
-        self.others = [s for s in sessions if s.id not in self._row_of] if rows else list(sessions)
+        if not rows or len(rows) < len(sessions):
+            self.others = [s for s in sessions if s.id not in self._row_of()] if rows else list(sessions)
+        else:
+            self.others = []  # (every session is a row)
         self.params: list[SamplingParams] = [s.sampling for s in rows]
         self.streams: list[RandomStream] = [s.generator for s in rows]
         self.done = np.zeros(len(rows), dtype=np.int64)  # rounds each row has stepped
@@ -113,8 +117,8 @@ class DuplexLane:
         steps = np.minimum(run, self.rounds)
         kept = np.flatnonzero(steps)
         taken = candidates[kept]
-        self.sessions = [sessions[i] for i in taken.tolist()]
-        self._row_of = {s.id: r for r, s in enumerate(self.sessions)}
+        self.sessions = sessions if len(taken) == len(sessions) else [sessions[i] for i in taken.tolist()]
+        self._in_lane = np.ones(len(taken), dtype=bool)
         self.steps, self.wanted, self.tokens = steps[kept], wanted[kept], all_tokens[kept]
         self.more = run[kept] > self.rounds  # it could step once more after the tick
         self.stopped_unknown = ~known[kept, steps[kept]]  # the step it stopped at is not known
@@ -166,7 +170,15 @@ class DuplexLane:
             self._paged(needy)
             return self.others
         self._needy = {s.id: row for row, s in zip(needy, sessions, strict=True)}
-        return [s for s in self._all if s.id not in self._row_of or s.id in self._needy]
+        row_of = self._row_of()
+        return [s for s in self._all if s.id not in row_of or s.id in self._needy]
+
+    def _row_of(self) -> dict[str, int]:
+        """The rows still in the lane, by session id: made when first asked in a tick (one where no row needs the
+        scheduler, nobody is preempted and every session is a row never does)."""
+        if self._ids is None:
+            self._ids = {self.sessions[r].id: r for r in np.flatnonzero(self._in_lane).tolist()}
+        return self._ids
 
     def _page_due(self, rows: np.ndarray, first: int) -> np.ndarray:
         """Each row's first round from `first` on whose step needs a new page, or slides its window past a page
@@ -197,21 +209,22 @@ class DuplexLane:
             return work
         kept, paged = [], []
         for w in work:
-            if (row := self._needy.pop(w.session.id, None)) is not None and w.session.id in self._row_of:
+            if (row := self._needy.pop(w.session.id, None)) is not None and w.session.id in self._row_of():
                 paged.append(row)
             else:
                 kept.append(w)
         self._paged(paged)
         for cid, row in self._needy.items():
-            if cid in self._row_of:
+            if cid in self._row_of():
                 self._leave(row)
         return kept
 
     def _leave(self, row: int) -> None:
         """The row steps no more this tick: the scheduler has its session from now on."""
         self.steps[row] = self.done[row]
-        del self._row_of[self.sessions[row].id]
-        self.others = [s for s in self._all if s.id not in self._row_of]
+        del self._row_of()[self.sessions[row].id]
+        self._in_lane[row] = False
+        self.others = [s for s in self._all if s.id not in self._ids]
 
     def _stepping(self, index: int) -> np.ndarray:
         return np.flatnonzero(self.steps > index) if self.sessions else np.zeros(0, dtype=np.int64)
@@ -251,29 +264,33 @@ class DuplexLane:
 
     def give_back(self, s: Session) -> None:
         """The session's steps so far go back to it, and it steps no more this tick (another preempts it)."""
-        if (row := self._row_of.get(s.id)) is not None:
+        if (row := self._row_of().get(s.id)) is not None:
             self._give_steps([row])
             self._leave(row)
 
     def give_back_all(self) -> None:
         """The tick is over: every row's steps go back to its session."""
-        rows = list(self._row_of.values())
-        self._give_steps(rows)
-        self.ahead, self.rest = bool(self.more[rows].any()) if rows else False, self.others
-        self.stalled = [self.sessions[r] for r in rows if self.steps[r] < self.rounds and self.stopped_unknown[r]]
-        self.sessions, self._row_of, self._logits, self._all, self.others = [], {}, [], [], []
+        rows = np.flatnonzero(self._in_lane)
+        self.ahead, self.rest, self.stalled = False, self.others, []
+        if len(rows):
+            self._give_steps(rows)
+            self.ahead = bool(self.more[rows].any())
+            stalled = rows[(self.steps[rows] < self.rounds) & self.stopped_unknown[rows]]
+            self.stalled = [self.sessions[r] for r in stalled.tolist()]
+        self.sessions, self._in_lane, self._ids = [], self._in_lane[:0], None
+        self._logits, self._all, self.others = [], [], []
 
-    def _give_steps(self, rows: list[int]) -> None:
+    def _give_steps(self, rows: list[int] | np.ndarray) -> None:
         """Each row's steps not yet given back go to its session, with the logits of its last step."""
-        rows = np.array(rows, dtype=np.int64)
+        rows = np.asarray(rows, dtype=np.int64)
         rows = rows[self.done[rows] > self.given[rows]]
         if not len(rows):
             return
         self._write_model_codes(rows)
-        for index, (logits, stepped, now) in enumerate(self._logits):  # by the round of each one's last step
-            last = np.sort(rows[self.done[rows] == index + 1])
-            if not len(last):
-                continue
+        done = self.done[rows]
+        for index in np.unique(done).tolist():  # by the round of each one's last step
+            logits, stepped, now = self._logits[index - 1]
+            last = rows[done == index]
             sessions = [self.sessions[row] for row in last.tolist()]
             computed = (self.start[last] + self.done[last]).tolist()
             Session.record_steps(sessions, computed, logits, np.searchsorted(stepped, last).tolist(), now)

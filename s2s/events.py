@@ -5,39 +5,46 @@ from __future__ import annotations
 import collections
 import queue
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from itertools import repeat
+from types import MappingProxyType
+from typing import NamedTuple
 
 import numpy as np
 
 from codec.pcm import FRAME_SIZE
 
+NO_TIMES = MappingProxyType({})  # (read-only: a default shared by every event made without times)
 
-@dataclass(slots=True)
-class AudioEvent:
+
+class AudioEvent(NamedTuple):
     session: str
     turn: int
     first_frame: int
     pcm: np.ndarray  # float32, 24 kHz
-    times: dict[str, float] = field(default_factory=dict)
+    times: Mapping[str, float] = NO_TIMES  # the turn's stage times when it was made
 
 
-@dataclass(slots=True)
-class CodesEvent:
+class CodesEvent(NamedTuple):
     """Model frames `[K, n]` from `first_frame` on, as sampled ids (codec-free engines emit these instead of PCM)."""
 
     session: str
     turn: int
     first_frame: int
     codes: np.ndarray
-    times: dict[str, float] = field(default_factory=dict)
+    times: Mapping[str, float] = NO_TIMES
 
 
-@dataclass(slots=True)
-class MetaEvent:
+class MetaEvent(NamedTuple):
     session: str
     turn: int
     data: dict
+
+
+def made(kind: type[AudioEvent | CodesEvent], *fields: Iterable) -> Iterator[AudioEvent | CodesEvent]:
+    """Events of `kind` from one iterable per field, in order, each made without a Python call (the decoder makes
+    every conversation's each tick: a tuple's own constructor, not the class's)."""
+    return map(tuple.__new__, repeat(kind), zip(*fields, strict=True))
 
 
 def _frames(event: AudioEvent | CodesEvent | MetaEvent | None) -> int:
