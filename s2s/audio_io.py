@@ -60,39 +60,36 @@ class AudioIO:
         """Each session's pushed input becomes user frames (`Session.hear`): PCM through the streaming encoder, all
         sessions in one call; codes as they are. Duplex sessions' frames are written into their rows together, by
         frame count."""
-        rows, chunks, owners, turn_mode = [], [], [], []
-        duplex: dict[int, tuple[list[Session], list[np.ndarray]]] = {}  # by frame count: sessions, codes `[K, n]`
+        rows, chunks, owners = [], [], []
+        heard, codes = [], []  # sessions with new frames, and those frames `[K, n]`
         for s in sessions:
             if not s.pending:
                 continue
             taken, s.pending = s.pending, []
-            if s.input_kind != "codes":
+            if s.input_kind == "codes":
+                heard.append(s)
+                codes.append(taken[0] if len(taken) == 1 else np.concatenate(taken, axis=1))
+            else:
                 rows.append(s.row)
                 chunks.append(np.concatenate(taken))
                 owners.append(s)
-                continue
-            codes = taken[0] if len(taken) == 1 else np.concatenate(taken, axis=1)
-            if s.mode == "duplex":
-                heard, got = duplex.setdefault(codes.shape[1], ([], []))
-                heard.append(s)
-                got.append(codes)
-            else:
-                turn_mode.append((s, codes))
         if rows:
             for s, encoded in zip(owners, self.encoder.push(chunks, rows), strict=True):
-                if not (codes := encoded.numpy()).shape[-1]:
-                    continue
-                if s.mode == "duplex":
-                    heard, got = duplex.setdefault(codes.shape[1], ([], []))
+                if (frames := encoded.numpy()).shape[-1]:
                     heard.append(s)
-                    got.append(codes)
-                else:
-                    turn_mode.append((s, codes))
+                    codes.append(frames)
+        if not heard:
+            return
         now = self.clock()
-        for s, codes in turn_mode:
-            s.hear(codes, now)
-        for n, (heard, got) in duplex.items():
-            self._hear_duplex(n, heard, got, now)
+        duplex = np.array([s.mode == "duplex" for s in heard])
+        counts = np.array([c.shape[1] for c in codes])
+        for i in np.flatnonzero(~duplex).tolist():
+            heard[i].hear(codes[i], now)
+        for n in np.unique(counts[duplex]).tolist():
+            if (picked := np.flatnonzero(duplex & (counts == n))).size == len(heard):
+                self._hear_duplex(n, heard, codes, now)
+            else:
+                self._hear_duplex(n, [heard[i] for i in picked.tolist()], [codes[i] for i in picked.tolist()], now)
 
     def _hear_duplex(self, n: int, sessions: list[Session], codes: list[np.ndarray], now: float) -> None:
         """`Session.hear` of duplex sessions' `n` new frames each (`codes[i]`), written into their rows at once; one

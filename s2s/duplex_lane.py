@@ -234,19 +234,25 @@ class DuplexLane:
         rows = self._stepping(index)
         if not len(rows):
             return None
-        ps = self.bound.page_size
-        computed, sink, dropped = self.start[rows] + index, self.sink[rows], self.dropped[rows]
+        ps, at = self.bound.page_size, self._at(rows)
+        computed, sink, dropped = self.start[at] + index, self.sink[at], self.dropped[at]
         # `Session.visible`, for rows past their sink: the sink's pages, then the window's
         hidden = np.maximum(np.maximum(computed // ps - self.bound.window_pages + 1 - sink, 0), dropped)
         skip = np.where(hidden > 0, hidden - dropped, 0)  # table pages before the window, after the sink
-        table, lengths = self.page_tables.read(self.session_rows[rows])
+        table, lengths = self.page_tables.read(self.session_rows[at])
         if skip.any():  # (the usual round has every row's window slid as its step was scheduled)
             columns = np.arange(table.shape[1])
             source = np.where(columns < sink[:, None], columns, columns + skip[:, None])
             lengths = lengths - skip
             pages = np.take_along_axis(table, np.minimum(source, table.shape[1] - 1), axis=1)
             table = np.where(columns < lengths[:, None], pages, 0).astype(np.int32)
-        return LaneRound(index, rows, self.tokens[rows, index], computed - hidden * ps, table, lengths, hidden * ps)
+        tokens = self.tokens[at, index].copy()
+        return LaneRound(index, rows, tokens, computed - hidden * ps, table, lengths, hidden * ps)
+
+    def _at(self, rows: np.ndarray) -> np.ndarray | slice:
+        """`rows` as an index into the lane's arrays: every row (in order) as a slice, which indexes without a
+        gather."""
+        return slice(None) if len(rows) == len(self.steps) else rows
 
     def sampling(self, r: LaneRound) -> tuple[list[SamplingParams], list[RandomStream]]:
         if len(r.rows) == len(self.params):  # every row steps (rows are in order)
@@ -256,10 +262,9 @@ class DuplexLane:
 
     def accept(self, r: LaneRound, codes: np.ndarray, logits: torch.Tensor, now: float) -> None:
         """The round's sampled codes `[n, K]` fill what each row's next step wanted; `logits` `[n, K, V]`."""
-        k, nxt = len(self.delays), r.index + 1
-        wanted = self.wanted[r.rows, nxt]
-        self.tokens[r.rows, nxt, k:] = np.where(wanted, codes, self.tokens[r.rows, nxt, k:])
-        self.done[r.rows] = nxt
+        k, nxt, at = len(self.delays), r.index + 1, self._at(r.rows)
+        self.tokens[at, nxt, k:] = np.where(self.wanted[at, nxt], codes, self.tokens[at, nxt, k:])
+        self.done[at] = nxt
         self._logits.append((logits, r.rows, now))
 
     def give_back(self, s: Session) -> None:
@@ -291,9 +296,13 @@ class DuplexLane:
         for index in np.unique(done).tolist():  # by the round of each one's last step
             logits, stepped, now = self._logits[index - 1]
             last = rows[done == index]
-            sessions = [self.sessions[row] for row in last.tolist()]
-            computed = (self.start[last] + self.done[last]).tolist()
-            Session.record_steps(sessions, computed, logits, np.searchsorted(stepped, last).tolist(), now)
+            if len(last) == len(self.sessions):  # (every row, in order: its own row of the logits too)
+                sessions, logits_rows = self.sessions, range(len(last))
+            else:
+                sessions = [self.sessions[row] for row in last.tolist()]
+                logits_rows = np.searchsorted(stepped, last).tolist()
+            computed = (self.start[last] + index).tolist()
+            Session.record_steps(sessions, computed, logits, logits_rows, now)
         self.given[rows] = self.done[rows]
 
     def _write_model_codes(self, rows: np.ndarray) -> None:

@@ -15,6 +15,7 @@ reply starts, is cut by a barge-in, ends, is regenerated) is `TurnLifecycle`'s (
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from types import EllipsisType
 
 import numpy as np
@@ -34,6 +35,7 @@ INPUT_GAP_S = 0.5  # input this far behind real time is a gap (muted, paused), n
 class Session(TurnLifecycle):
     __slots__ = (  # (attributes inline in the object: the engine reads every session's several times a tick)
         "_last_logits",
+        "_logits_row",
         "bound",
         "cached_at_open",
         "cfg",
@@ -111,7 +113,8 @@ class Session(TurnLifecycle):
         self.paused = False  # its stream is stopped: nothing is computed for it
         self.own_pages: list[int] = []  # pages this conversation allocated (it holds a reference on each)
         self.handle = None  # the cache handle it holds locked
-        self._last_logits: tuple[torch.Tensor, int | EllipsisType] | None = None  # (a forward's logits, its row)
+        self._last_logits: torch.Tensor | None = None  # a forward's logits, of which row `_logits_row` is its own
+        self._logits_row: int | EllipsisType = ...
         self.phase = Phase.LISTEN
         self.turns: list[Turn] = []
         self.emitted = 0  # model frames handed to the audio decoder (duplex) or considered for it (turn)
@@ -132,11 +135,11 @@ class Session(TurnLifecycle):
     @property
     def last_logits(self) -> torch.Tensor | None:
         """Logits of step `computed`, from the last forward (its row of the batch's, taken when read)."""
-        return None if self._last_logits is None else self._last_logits[0][self._last_logits[1]]
+        return None if self._last_logits is None else self._last_logits[self._logits_row]
 
     @last_logits.setter
     def last_logits(self, logits: torch.Tensor | None) -> None:
-        self._last_logits = None if logits is None else (logits, ...)
+        self._last_logits, self._logits_row = logits, ...
 
     def streaming(self, now: float) -> bool:
         """It costs a real-time stream now: it replies, or its user's audio came in within the last second (read
@@ -405,13 +408,13 @@ class Session(TurnLifecycle):
 
     @staticmethod
     def record_steps(
-        sessions: list[Session], computed: list[int], logits: torch.Tensor, rows: list[int], now: float
+        sessions: list[Session], computed: list[int], logits: torch.Tensor, rows: Sequence[int], now: float
     ) -> None:
         """Decode steps of each session up to `computed[i]` were computed and sampled (`DuplexLane`, which wrote their
         model codes into its rows, and steps none past its sink with a gap: `advance` would only add); row `rows[i]`
         of `logits` is its last step's. One loop for all, without a call per session."""
         for s, t, row in zip(sessions, computed, rows, strict=True):
-            s.computed, s._last_logits, s.last_active = t, (logits, row), now
+            s.computed, s._last_logits, s._logits_row, s.last_active = t, logits, row, now
             # every codebook of frame t - max_delay is known now, and of each before it (the steps before were known)
             if t + 1 - s.max_delay > s.complete:
                 s.complete = t + 1 - s.max_delay
