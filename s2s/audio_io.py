@@ -202,5 +202,5 @@ class AudioIO:
     def _late(self, arrived: np.ndarray, since: np.ndarray, length: int, now: float) -> np.ndarray:
         """How many of each one's `length` frames, from the `since[i]`-th after its voice prompt on, are sent after
         their deadline (`frame_deadline`, counted from `arrived[i]`, when its user's first frame came in)."""
-        frames = since[:, None] + np.arange(length)
-        return (now > arrived[:, None] + (frames + 1) * FRAME_S + self.jitter_buffer_s).sum(1)
+        frames = since + np.arange(length)[:, None]  # [length, n]: operations along the sessions
+        return (now > arrived + (frames + 1) * FRAME_S + self.jitter_buffer_s).sum(0)

@@ -141,16 +141,17 @@ class DuplexLane:
         some model code of the next step (`Scheduler.pick`'s decode step, from `Session.wanted_after`); and whether
         each step is known by its round (`[n, rounds + 2]`)."""
         k = len(self.delays)
-        first_predicted = np.maximum(prompt_frames, 1)
+        # [2K, steps, n]: every operation then runs along the rows, not along K codebooks (numpy's loops over an
+        # innermost axis of 2 cost five times as much)
+        codes = np.ascontiguousarray(tokens.transpose(2, 1, 0))
         step = np.arange(self.rounds + 2)
-        frames = computed[:, None, None] + step[None, :, None] - self.delays[None, None, :]  # each model code's frame
-        unknown = tokens[:, :, k:] == UNKNOWN
-        wanted = unknown & (frames >= first_predicted[:, None, None])
-        model_known = (~unknown | (wanted & (step >= 1)[None, :, None])).all(-1)  # by its round
-        user_known = (tokens[:, :, :k] != UNKNOWN).all(-1)
-        known = user_known & model_known
-        takes = known[:, :-1] & wanted[:, 1:].any(-1)
-        return np.cumprod(takes, axis=1).sum(1), wanted, known
+        frames = computed[None, None, :] + (step[None, :, None] - self.delays[:, None, None])  # each model code's frame
+        unknown = codes[k:] == UNKNOWN
+        wanted = unknown & (frames >= np.maximum(prompt_frames, 1)[None, None, :])
+        model_known = np.logical_and.reduce(~unknown | (wanted & (step >= 1)[None, :, None]))  # by its round
+        known = np.logical_and.reduce(codes[:k] != UNKNOWN) & model_known
+        takes = known[:-1] & np.logical_or.reduce(wanted[:, 1:])
+        return np.cumprod(takes, axis=0).sum(0), wanted.transpose(2, 1, 0), known.T
 
     def schedulable(self, index: int, grow: Callable[[list[Session]], bool]) -> list[Session]:
         """Who `Scheduler.pick` sees before round `index`, in the order they opened: the sessions without a row, and
@@ -186,13 +187,13 @@ class DuplexLane:
         changes a row's table in a tick, and it asks again for the rows it gave pages."""
         if first >= self.rounds:
             return np.full(len(rows), self.rounds)
-        ps, sink, dropped = self.bound.page_size, self.sink[rows, None], self.dropped[rows, None]
-        lengths = self.page_tables.lengths[self.session_rows[rows]][:, None]
-        computed = self.start[rows, None] + np.arange(first, self.rounds)
+        ps, sink, dropped = self.bound.page_size, self.sink[rows], self.dropped[rows]
+        lengths = self.page_tables.lengths[self.session_rows[rows]]
+        computed = self.start[rows] + np.arange(first, self.rounds)[:, None]  # [rounds, n]: operations along rows
         need = -(-(computed + 1) // ps) - (lengths + np.where(lengths >= sink, dropped, 0))
         drop = np.maximum(computed // ps - self.bound.window_pages + 1 - sink, 0) - dropped
         due = (need > 0) | ((drop > 0) & (lengths >= sink + drop))
-        return np.where(due.any(1), first + due.argmax(1), self.rounds)
+        return np.where(np.logical_or.reduce(due), first + due.argmax(0), self.rounds)
 
     def _paged(self, rows: list[int]) -> None:
         """The rows' steps of this round have their pages: their gaps as they are now, and their next rounds due."""

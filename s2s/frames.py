@@ -51,12 +51,15 @@ class FrameRows:
 
     def room(self, rows: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Room in row `rows[i]` for its stream's frames up to `ends[i]` - 1 (from its `start`); the rows' bases."""
+        base = self.base[rows]
         if len(rows):
-            over = (self.base[rows] + ends > self.array.shape[1]) & (self.base[rows] > 0)  # (else it grows)
-            for row in np.unique(rows[over]).tolist() if over.any() else ():
-                self._to_front(row)
-            self.reserve(int(ends.max()))
-        return self.base[rows]
+            if (over := (base + ends > self.array.shape[1]) & (base > 0)).any():  # (else it grows)
+                for row in np.unique(rows[over]).tolist():
+                    self._to_front(row)
+                base = self.base[rows]
+            if (end := int(ends.max())) > self.array.shape[1]:
+                self.reserve(end)
+        return base
 
     def held(self, rows: np.ndarray) -> np.ndarray:
         """Frames each row holds from its stream's `start` (UNKNOWN past what was written)."""
