@@ -15,7 +15,7 @@ import torch
 from codec import EncodecTokenizer
 from s2s.config import FRAME_S
 from s2s.events import AudioEvent, CodesEvent, made
-from s2s.frames import UNKNOWN, FrameRows
+from s2s.frames import UNKNOWN, FrameRows, along_last
 from s2s.metrics import EngineStats
 from s2s.scheduler import first_audio_due
 from s2s.session import Session
@@ -58,64 +58,56 @@ class AudioIO:
 
     def encode(self, sessions: Iterable[Session]) -> None:
         """Each session's pushed input becomes user frames (`Session.hear`): PCM through the streaming encoder, all
-        sessions in one call; codes as they are. Duplex sessions' frames are written into their rows together, by
-        frame count."""
-        rows, chunks, owners = [], [], []
-        heard, codes = [], []  # sessions with new frames, and those frames `[K, n]`
+        sessions in one call; codes as they are."""
+        rows, chunks, owners, heard = [], [], [], []
         for s in sessions:
             if not s.pending:
                 continue
             taken, s.pending = s.pending, []
             if s.input_kind == "codes":
-                heard.append(s)
-                codes.append(taken[0] if len(taken) == 1 else np.concatenate(taken, axis=1))
+                heard.append((s, taken[0] if len(taken) == 1 else np.concatenate(taken, axis=1)))
             else:
                 rows.append(s.row)
                 chunks.append(np.concatenate(taken))
                 owners.append(s)
         if rows:
-            for s, encoded in zip(owners, self.encoder.push(chunks, rows), strict=True):
-                if (frames := encoded.numpy()).shape[-1]:
-                    heard.append(s)
-                    codes.append(frames)
-        if not heard:
-            return
+            encoded = zip(owners, (c.numpy() for c in self.encoder.push(chunks, rows)), strict=True)
+            heard += [(s, codes) for s, codes in encoded if codes.shape[-1]]
         now = self.clock()
-        duplex = np.array([s.mode == "duplex" for s in heard])
-        counts = np.array([c.shape[1] for c in codes])
-        for i in np.flatnonzero(~duplex).tolist():
-            heard[i].hear(codes[i], now)
-        for n in np.unique(counts[duplex]).tolist():
-            if (picked := np.flatnonzero(duplex & (counts == n))).size == len(heard):
-                self._hear_duplex(n, heard, codes, now)
+        duplex: dict[int, list[tuple[Session, np.ndarray]]] = {}  # by frame count
+        for s, codes in heard:
+            if s.mode == "duplex":
+                duplex.setdefault(codes.shape[1], []).append((s, codes))
             else:
-                self._hear_duplex(n, [heard[i] for i in picked.tolist()], [codes[i] for i in picked.tolist()], now)
+                s.hear(codes, now)
+        for n, items in duplex.items():
+            self._hear_duplex(n, items, now)
 
-    def _hear_duplex(self, n: int, sessions: list[Session], codes: list[np.ndarray], now: float) -> None:
-        """`Session.hear` of duplex sessions' `n` new frames each (`codes[i]`), written into their rows at once; one
-        whose frames are not in the rows, or would not fit in them, hears them on its own (its frames then leave the
-        rows)."""
-        rows = np.array([s.row for s in sessions], dtype=np.int64)
+    def _hear_duplex(self, n: int, items: list[tuple[Session, np.ndarray]], now: float) -> None:
+        """`Session.hear` of duplex sessions' `n` new frames each, written into their rows at once; one whose frames
+        are not in the rows, or would not fit in them, hears them on its own (its frames then leave the rows)."""
+        rows = np.array([s.row for s, _ in items], dtype=np.int64)
         user_start, model_start = self.user_frames.start[rows], self.model_frames.start[rows]
-        heard = np.array([s.user_frames for s in sessions], dtype=np.int64)
+        heard = np.array([s.user_frames for s, _ in items], dtype=np.int64)
         fits = heard + n + 1 - np.minimum(user_start, model_start) <= self.user_frames.limit
         fits &= self.user_frames.holding[rows] & self.model_frames.holding[rows]
         if not fits.all():
             for i in np.flatnonzero(~fits).tolist():
-                sessions[i].hear(codes[i], now)
+                items[i][0].hear(items[i][1], now)
             keep = np.flatnonzero(fits)
-            sessions, codes = [sessions[i] for i in keep.tolist()], [codes[i] for i in keep.tolist()]
+            items = [items[i] for i in keep.tolist()]
             rows, user_start, model_start, heard = rows[keep], user_start[keep], model_start[keep], heard[keep]
-            if not sessions:
+            if not items:
                 return
         offsets = heard - user_start
         if offsets.min() < 0:
             raise AssertionError("a duplex session's next user frame is before its recent frames")
         self.user_frames.room(rows, offsets + n + 1)  # (as `Session._ensure`)
         self.model_frames.room(rows, heard + n + 1 - model_start)
-        frames = np.concatenate(codes, axis=1).reshape(-1, len(codes), n).transpose(1, 2, 0)  # (np.stack: 3x the time)
-        self.user_frames.write(rows, offsets[:, None] + np.arange(n), frames)
-        Session.heard_in_rows(sessions, n, now)
+        codes = np.concatenate([c for _, c in items], axis=1)  # [K, n x frames]: (np.stack costs 3x as much)
+        codes = codes.reshape(len(codes), len(items), n).transpose(1, 2, 0)
+        self.user_frames.write(rows, offsets[:, None] + np.arange(n), codes)
+        Session.heard_in_rows([s for s, _ in items], n, now)
 
     def decode(self, sessions: Iterable[Session], first_audio_only: bool = False) -> None:
         """Decode and send every session's newly complete frames (one decoder call per chunk length).
@@ -183,7 +175,7 @@ class AudioIO:
         at = complete - model_start
         in_rows = (model_row >= 0) & (at >= 0)
         check = np.flatnonzero(in_rows & (at < self.model_frames.held(model_row)))
-        moves = (self.model_frames.read(model_row[check], at[check], 1)[:, 0] != UNKNOWN).all(-1)
+        moves = along_last(np.logical_and, self.model_frames.read(model_row[check], at[check], 1)[:, 0] != UNKNOWN)
         for i in np.flatnonzero(~in_rows).tolist() + check[moves].tolist():
             complete[i] = sessions[i].complete_model_frames()
         return complete
