@@ -14,12 +14,12 @@ import torch
 
 from codec import EncodecTokenizer
 from s2s.config import FRAME_S
-from s2s.events import AudioEvent, CodesEvent, made
+from s2s.events import NO_TIMES, AudioEvent, CodesEvent, made
 from s2s.frames import UNKNOWN, FrameRows, along_last
 from s2s.metrics import EngineStats
 from s2s.scheduler import first_audio_due
 from s2s.session import Session
-from s2s.turns import Phase
+from s2s.turns import Phase, Turn
 
 
 class AudioIO:
@@ -137,9 +137,8 @@ class AudioIO:
                 out = self.decoder.push(torch.from_numpy(codes), [s.row for s in items]).cpu().numpy()
             now, starts_at = self.clock(), first.tolist()
             turns = [s.turns[-1] for s in items]
-            for turn in turns:
-                turn.times.setdefault("first_audio_out", now)
-            ids, turn_ids, times = [s.id for s in items], [t.id for t in turns], [dict(t.times) for t in turns]
+            times = [NO_TIMES if "first_audio_out" in t.times else _first_audio(t, now) for t in turns]
+            ids, turn_ids = [s.id for s in items], [t.id for t in turns]
             events = made(AudioEvent if self.decoder is not None else CodesEvent, ids, turn_ids, starts_at, out, times)
             for s, a, event in zip(items, starts_at, events, strict=True):
                 s.emitted = a + length
@@ -196,3 +195,9 @@ class AudioIO:
         their deadline (`frame_deadline`, counted from `arrived[i]`, when its user's first frame came in)."""
         frames = since + np.arange(length)[:, None]  # [length, n]: operations along the sessions
         return (now > arrived + (frames + 1) * FRAME_S + self.jitter_buffer_s).sum(0)
+
+
+def _first_audio(turn: Turn, now: float) -> dict[str, float]:
+    """The turn's first audio goes out `now`: its stage times so far, for the event that carries it."""
+    turn.times["first_audio_out"] = now
+    return dict(turn.times)

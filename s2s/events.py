@@ -22,7 +22,7 @@ class AudioEvent(NamedTuple):
     turn: int
     first_frame: int
     pcm: np.ndarray  # float32, 24 kHz
-    times: Mapping[str, float] = NO_TIMES  # the turn's stage times when it was made
+    times: Mapping[str, float] = NO_TIMES  # the turn's stage times, on its first audio (`NO_TIMES` after)
 
 
 class CodesEvent(NamedTuple):
@@ -32,7 +32,7 @@ class CodesEvent(NamedTuple):
     turn: int
     first_frame: int
     codes: np.ndarray
-    times: Mapping[str, float] = NO_TIMES
+    times: Mapping[str, float] = NO_TIMES  # (as `AudioEvent.times`)
 
 
 class MetaEvent(NamedTuple):
