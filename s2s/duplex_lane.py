@@ -312,12 +312,13 @@ class DuplexLane:
         k, session_rows = len(self.delays), self.session_rows[rows]
         if not self.model_rows.holding[session_rows].all():
             raise AssertionError("a lane row's model frames left the engine's rows")
-        step = np.arange(self.rounds + 1)
-        at, step = np.nonzero((step > self.given[rows, None]) & (step <= self.done[rows, None]))
+        step = np.arange(1, self.rounds + 1)[:, None]
+        step, at = np.nonzero((step > self.given[rows]) & (step <= self.done[rows]))  # (by step: along the rows)
+        step += 1
         model_start = self.model_rows.start[session_rows]
-        offsets = (self.start[rows[at]] + step - model_start[at])[:, None] - self.delays[None, :]
+        offsets = ((self.start[rows] - model_start)[at] + step) - self.delays[:, None]  # [K, steps]
         if offsets.min() < 0:
             raise AssertionError("a lane step's model code falls in forgotten frames")
         held_to = self.start[rows] + self.done[rows] + 2 - model_start  # room as `accept` makes (`Session._ensure`)
         self.model_rows.room(session_rows, held_to)
-        self.model_rows.write(session_rows[at], offsets, self.tokens[rows[at], step, k:], np.arange(k))
+        self.model_rows.write(session_rows[at], offsets.T, self.tokens[rows[at], step, k:], np.arange(k))
