@@ -7,14 +7,28 @@ import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import repeat
-from types import MappingProxyType
 from typing import NamedTuple
 
 import numpy as np
 
 from codec.pcm import FRAME_SIZE
 
-NO_TIMES = MappingProxyType({})  # (read-only: a default shared by every event made without times)
+
+class _NoTimes(Mapping[str, float]):
+    """An empty mapping that cannot change (shared by every event made without times) and, unlike a
+    `MappingProxyType`, pickles: events cross to the front-end processes."""
+
+    def __getitem__(self, key: str) -> float:
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+NO_TIMES = _NoTimes()
 
 
 class AudioEvent(NamedTuple):

@@ -1,12 +1,13 @@
 """EventQueue: the engine thread puts without a lock; readers blocked in `get` still wake for every event, and the
 frame count each side keeps balances."""
 
+import pickle
 import threading
 import time
 
 import numpy as np
 
-from s2s.events import CodesEvent, EventQueue, MetaEvent
+from s2s.events import NO_TIMES, AudioEvent, CodesEvent, EventQueue, MetaEvent, made
 
 
 def test_a_blocked_reader_wakes_for_every_put_of_a_lock_free_writer() -> None:
@@ -40,3 +41,17 @@ def test_dropping_a_turn_s_audio_keeps_the_count_of_what_is_left() -> None:
     assert q.get_nowait().turn == 0 and q.frames == 15
     q.drop_turn_audio(1)
     assert q.frames == 5 and [q.get_nowait().turn] == [0] and q.frames == 0 and q.empty()
+
+
+def test_events_made_at_once_are_the_events_and_cross_processes() -> None:
+    """`made` builds the decoder's events without a call each; they, and those without times, pickle (the engine core
+    sends them to the front-end processes)."""
+    pcm = [np.full(320, i, np.float32) for i in range(3)]
+    times = [{"first_audio_out": 1.0}, NO_TIMES, NO_TIMES]
+    events = list(made(AudioEvent, ["a", "b", "c"], [0, 1, 2], [5, 6, 7], pcm, times))
+    assert events[1] == AudioEvent("b", 1, 6, pcm[1]) and isinstance(events[1], AudioEvent)
+    for event in events:
+        back = pickle.loads(pickle.dumps(event))
+        assert type(back) is AudioEvent and back.session == event.session and dict(back.times) == dict(event.times)
+        assert (back.pcm == event.pcm).all()
+    assert not NO_TIMES and dict(NO_TIMES) == {}
