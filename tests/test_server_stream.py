@@ -34,7 +34,9 @@ async def until_event(ws, name: str) -> int:
 def test_pause_start_and_restart_over_moshi_controls(parts) -> None:
     async def body(url, server):
         engine = server.engine
-        async with connect(f"{url}/api/chat?codec=pcm16") as ws:
+        # the reply audio this test never reads must not fill the client's queue: a full queue stops the client
+        # reading, so the server's close frame would go unseen and the close wait out its 10 s timeout
+        async with connect(f"{url}/api/chat?codec=pcm16", max_queue=None) as ws:
             await ws.recv()  # handshake
             await ws.recv()  # the conversation's metadata
             await send_speech(ws)
