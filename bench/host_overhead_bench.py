@@ -17,8 +17,9 @@ phases are timed on ticks of their own, as many again after the measured ones: t
 system call each, about 30 phases a tick) would otherwise add to the host time they split.
 
 Each N runs twice: on the model's forward and sampling, and on a stand-in that hands back logits and codes of the
-same shapes at once. On a CPU the forward evicts from the caches what the host work then reads again, which a GPU's
-forward does not: the stand-in's figure is the host work without that.
+same shapes at once: the host work back to back. On this VM the same host work costs up to twice as much when the
+thread has been away tens of milliseconds between its pieces, whatever it did there (the forward, or a sleep or a
+spin as long: bench/RESULTS.md): the model's figure holds that, the stand-in's does not.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ PHASES = {  # where the engine thread's host CPU goes: (object, method) wrapped,
 
 def measure(model: S2SModel, n: int, ticks: int, forward: str, warmup: int = 3) -> dict:
     """`forward`: "model" (the tiny model's forward and sampling, on this CPU), or "stand-in" (logits and codes of
-    the same shapes, made at once: the host work without the cache the CPU forward evicts, as beside a GPU's)."""
+    the same shapes, made at once: the host work back to back)."""
     cfg = EngineConfig(
         frames_per_tick=FRAMES_PER_TICK,
         calibration_ticks=0,

@@ -58,11 +58,11 @@ async def next_error(ws) -> str:
     return message[1:].decode()
 
 
-@pytest.mark.skipif(FRONTENDS > 0, reason="reads the server process's own objects: with front ends, they are in theirs")
 def test_invalid_opus_resets_the_reader_and_a_flood_of_it_closes_the_connection(parts, monkeypatch) -> None:
     """Messages that are not Ogg: each is told and the reader holds none of it, and a valid stream on the same
     connection then reaches the engine (sphn's reader kept every byte after an error, and failed for good). Past
-    `MAX_UNDECODED` bytes with no audio, the connection is closed with the reason (it was read for ever)."""
+    `MAX_UNDECODED` bytes with no audio, the connection is closed with the reason (it was read for ever). Through
+    front ends the wires are in their processes: what the client and the engine see is checked, not the reader."""
     monkeypatch.setattr(server.moshi, "MoshiWire", KeptWire)
     KeptWire.made.clear()
     garbage = protocol.audio(bytes(range(1, 256)) * 257)  # 65,535 bytes, no "OggS" in them
@@ -72,12 +72,13 @@ def test_invalid_opus_resets_the_reader_and_a_flood_of_it_closes_the_connection(
         async with connect(f"{url}/api/chat?mode=turn&codec=opus") as ws:
             await ws.recv()  # handshake
             await ws.recv()  # metadata
-            [wire] = KeptWire.made
+            wire = None if FRONTENDS else KeptWire.made[-1]  # (through front ends, in their processes)
             for _ in range(3):
-                reader = wire.opus_in
+                reader = None if FRONTENDS else wire.opus_in
                 await ws.send(garbage)
                 assert "not valid Ogg/Opus" in await next_error(ws)
-                assert wire.opus_in is not reader and wire.opus_pending == 0, "the reader kept the garbage"
+                if not FRONTENDS:
+                    assert wire.opus_in is not reader and wire.opus_pending == 0, "the reader kept the garbage"
             for message in opus_messages(2.0):
                 await ws.send(message)
             for _ in range(200):  # the server takes the messages a moment after they are sent
