@@ -1,4 +1,4 @@
-"""ModelRunner: one round's batched forward over the page pool (CUDA graphs or eager), and sampling."""
+"""ModelRunner: one round's batched forward over the page pool, and its sampling (each from CUDA graphs, or eager)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from s2s.cuda_graphs import DecodeGraphs
 from s2s.duplex_lane import LaneRound
 from s2s.model import S2SModel
 from s2s.sampling import RandomStream, SamplingParams, sample
+from s2s.sampling_graphs import SamplingGraphs
 from s2s.scheduler import Work
 
 
@@ -27,10 +28,12 @@ class ModelRunner:
         self.device = pool.k[0].device
         if batch_invariant:
             batch_invariant_kernels.check(pool.k[0])
-        self.graphs = None
+        self.graphs, self.sampler = None, None
         if cuda_graphs and not batch_invariant and self.device.type == "cuda":
-            max_pages = math.ceil(model.config.max_position_embeddings / pool.page_size)  # what a window may see
+            cfg = model.config
+            max_pages = math.ceil(cfg.max_position_embeddings / pool.page_size)  # what a window may see
             self.graphs = DecodeGraphs(model, pool.k, pool.v, pool.page_size, max_batch, max_pages=max_pages)
+            self.sampler = SamplingGraphs(max_batch, cfg.num_codebooks, cfg.vocab_size, cfg.pad_id, self.device)
         if self.device.type == "cuda":
             with self.on_device():
                 self.warm_up_prefill()
@@ -86,4 +89,6 @@ class ModelRunner:
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], streams: list[RandomStream]) -> np.ndarray:
         """The next step's codes `[S, K]` from logits `[S, K, V]`, each row with its own settings and stream."""
+        if self.sampler is not None and self.sampler.fits(len(logits)):
+            return self.sampler.run(logits, params, streams)
         return sample(logits, params, streams, self.model.config.pad_id).cpu().numpy()

@@ -134,6 +134,37 @@ def sample(
     return torch.where(is_greedy, greedy, sampled)
 
 
+def stream_keys(streams: list[RandomStream]) -> torch.Tensor:
+    """Each stream's key for its next draw, on the host, and the draw counted: what `sample` does for its rows."""
+    keys = _keys(streams, torch.device("cpu"))
+    for st in streams:
+        st.draws += 1
+    return keys
+
+
+def sample_static(
+    logits: torch.Tensor,
+    keys: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    banned_id: int | None = None,
+) -> torch.Tensor:
+    """`sample` with each row's settings as tensors `[S]` (`keys` from `stream_keys`; `top_k` 0: no cut), as one
+    fixed sequence of ops whatever the settings, so a CUDA graph can hold it: every row takes the sort of the whole
+    vocabulary (`_top_k_top_p`, which with top_p 1 draws what `_top_k` draws). It chooses what `sample` does."""
+    vocab = logits.shape[-1]
+    logits = logits.float()
+    if banned_id is not None:
+        logits = logits.clone()  # (a float input is returned as it is: the caller's)
+        logits[..., banned_id] = float("-inf")
+    greedy = logits.argmax(-1)
+    scaled = logits / temperature.clamp_min(1e-6)[:, None, None]
+    ks = torch.where(top_k > 0, top_k.clamp_max(vocab), vocab)[:, None, None]
+    sampled = _top_k_top_p(scaled, lambda ids: _uniform(keys, ids, vocab), ks, top_p)
+    return torch.where((temperature == 0)[:, None], greedy, sampled)
+
+
 Noise = Callable[[torch.Tensor], torch.Tensor]  # vocabulary ids [S, K, n] -> their numbers in (0, 1)
 
 

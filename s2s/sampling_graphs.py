@@ -1,0 +1,104 @@
+"""SamplingGraphs: a round's sampling replayed from CUDA graphs, one per batch bucket.
+
+`sample` picks its ops on the host from the rows' settings (greedy, top-k, nucleus): on a GPU that is dozens of
+launches a round, as many as the decode step's graph saves. Here every round runs `sample_static`, one fixed
+sequence of ops over each row's settings as tensors, captured once per bucket size (`bucket_sizes`, as the decode
+graphs) over static buffers: a round copies in its logits, keys and settings and replays. Rows past the real batch
+are padding; their codes are dropped. It chooses what `sample` chooses, stream for stream.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from s2s.cuda_graphs import bucket_sizes
+from s2s.sampling import RandomStream, SamplingParams, sample_static, stream_keys
+
+
+class SamplingGraphs:
+    """Sampling of up to `max_batch` rows of logits `[K, vocab]`, one static graph per bucket size.
+
+    With `capture=False` the same static buffers and padding run eagerly (the CPU path of the tests: it checks
+    everything here but the capture itself)."""
+
+    def __init__(
+        self,
+        max_batch: int,
+        num_codebooks: int,
+        vocab: int,
+        banned_id: int | None,
+        device: torch.device | str,
+        capture: bool = True,
+    ):
+        device = torch.device(device)
+        if capture and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
+        self.banned_id, self.capture = banned_id, capture
+        self.sizes = bucket_sizes(max_batch)
+        b = self.sizes[-1]
+        self.logits = torch.zeros(b, num_codebooks, vocab, dtype=torch.float32, device=device)
+        self.keys = torch.zeros(b, dtype=torch.int64, device=device)
+        self.temperature = torch.zeros(b, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(b, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(b, dtype=torch.float32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.codes: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture_all()
+
+    def _sample(self, size: int) -> torch.Tensor:
+        return sample_static(
+            self.logits[:size],
+            self.keys[:size],
+            self.temperature[:size],
+            self.top_k[:size],
+            self.top_p[:size],
+            self.banned_id,
+        )
+
+    @torch.no_grad()
+    def _capture_all(self) -> None:
+        """Largest bucket first, all in one memory pool, after a warm-up on a side stream (as `DecodeGraphs`)."""
+        device, pool = self.logits.device, None
+        with torch.cuda.device(device):
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for size in self.sizes:
+                    self._sample(size)
+            torch.cuda.current_stream(device).wait_stream(side)
+            for size in reversed(self.sizes):
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.codes[size] = self._sample(size)
+                pool = graph.pool()
+                self.graphs[size] = graph
+            torch.cuda.synchronize(device)
+
+    def fits(self, num_rows: int) -> bool:
+        return num_rows <= self.sizes[-1]
+
+    def run(self, logits: torch.Tensor, params: list[SamplingParams], streams: list[RandomStream]) -> np.ndarray:
+        """The next step's codes `[S, K]` from logits `[S, K, vocab]`, each row with its own settings and stream
+        (each stream counts one draw), as `sample` gives them."""
+        n = len(logits)
+        if len(params) != n or len(streams) != n:
+            raise ValueError(f"{n} rows but {len(params)} params and {len(streams)} streams")
+        if logits.shape[1:] != self.logits.shape[1:]:
+            raise ValueError(f"need logits [S, {', '.join(map(str, self.logits.shape[1:]))}], got {list(logits.shape)}")
+        if not self.fits(n):
+            raise ValueError(f"{n} rows exceed the captured buffers ({self.sizes[-1]})")
+        size = next(s for s in self.sizes if s >= n)
+        self.logits[:n].copy_(logits)
+        for dst, src in (
+            (self.keys, stream_keys(streams)),
+            (self.temperature, torch.tensor([p.temperature for p in params], dtype=torch.float32)),
+            (self.top_k, torch.tensor([p.top_k for p in params], dtype=torch.int64)),
+            (self.top_p, torch.tensor([p.top_p for p in params], dtype=torch.float32)),
+        ):
+            dst[:n].copy_(src)
+        if self.capture:
+            self.graphs[size].replay()
+            return self.codes[size][:n].cpu().numpy()
+        return self._sample(size)[:n].cpu().numpy()
