@@ -106,6 +106,7 @@ class StreamingEncoder:
         self._pending = [np.zeros(0, np.float32) for _ in range(batch_size)]  # on the host: a row's work is Python
         self._started = [False] * batch_size
         self._states = _RowStates(batch_size)
+        self.graphs = None  # on a GPU, the engine's `CodecGraphs` for a started row's usual push
 
     def reset(self, row: int) -> None:
         _check_rows([row], 1, self.batch_size)
@@ -143,10 +144,13 @@ class StreamingEncoder:
         for (started, ready), group in groups.items():
             n = ready * fs
             x = torch.from_numpy(np.stack([self._pending[r][:n] for r in group])[:, None, :]).to(self.tok.device)
-            state = self._states.get(group, x.device) if started else None
-            latent, new_state = self.tok.encoder_net(x, state)
+            if started and self.graphs is not None and self.graphs.fits(x):
+                codes, new_state = self.graphs.run(x, self._states.get(group, x.device))
+            else:
+                latent, new_state = self.tok.encoder_net(x, self._states.get(group, x.device) if started else None)
+                codes = self.tok.quantize(latent)
             self._states.put(group, new_state, x.device)
-            codes = self.tok.quantize(latent).cpu().numpy()
+            codes = codes.cpu().numpy()
             for i, r in enumerate(group):
                 out[r] = torch.from_numpy(codes[i])
                 self._pending[r] = self._pending[r][n:]
@@ -173,6 +177,7 @@ class StreamingDecoder:
         self._history: list[torch.Tensor] = [self._no_codes() for _ in range(batch_size)]
         self._frames = [0] * batch_size
         self._states = _RowStates(batch_size)
+        self.graphs = None  # on a GPU, the engine's `CodecGraphs` for a steady row's usual push
 
     def _no_codes(self) -> torch.Tensor:
         return torch.zeros(self.tok.num_codebooks, 0, dtype=torch.long, device=self.tok.device)
@@ -200,8 +205,11 @@ class StreamingDecoder:
         steady = [i for i, r in enumerate(rows) if self._frames[r] >= self.warmup_frames]
         if steady:
             group = [rows[i] for i in steady]
-            state = self._states.get(group, codes.device)
-            audio, new_state = self.tok.decoder_net(self.tok.dequantize(codes[steady]), state)
+            state, x = self._states.get(group, codes.device), codes[steady]
+            if self.graphs is not None and self.graphs.fits(x):
+                audio, new_state = self.graphs.run(x, state)
+            else:
+                audio, new_state = self.tok.decoder_net(self.tok.dequantize(x), state)
             self._states.put(group, new_state, codes.device)
             out[steady] = audio[:, 0]
 

@@ -97,6 +97,7 @@ class Engine:
             self.stats,
             clock,
             cfg.deterministic,
+            cfg.frames_per_tick if cfg.cuda_graphs else None,
         )
         page_size = cfg.page_size if self.cache.shares_prefixes else None
         self.scheduler = Scheduler(cfg.prefill_budget, cfg.background_budget, page_size)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks that need an NVIDIA GPU, in one run: the Triton kernels and the CUDA-graph decode and sampling against their
+# The checks that need an NVIDIA GPU, in one run: the Triton kernels and the CUDA graphs (decode step, sampling, codec) against their
 # references on CUDA, the demo on the GPU, then the benchmarks whose targets need one (the decode step, the cascade
 # at 1/4/16, concurrency to 32), and the duplex sweeps to 512 conversations with `small` and `base` (issue 22: the
 # server with 4 front-end processes, the load generator in 10 processes of its own). Every stage has its own time limit and runs even if an earlier one
@@ -44,7 +44,7 @@ cat "$out/machine.txt"
 
 eager=()
 stage kernel-tests 90 $py -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
-stage graph-tests 60 $py -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_sampling_graphs.py || eager=(--enforce-eager)
+stage graph-tests 60 $py -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_sampling_graphs.py tests/test_codec_graphs.py || eager=(--enforce-eager)
 # the shipped echo model wants float32 (its "most recent" heads hang on exact flag values)
 stage demo 60 $py -m server.cli demo --device "$dev" --dtype float32 "${eager[@]}" --out "$out/demo"
 stage model 45 $py -m server.cli bench model --quick --device "$dev" --json "$out/model.json" --plot "$out/model.png"

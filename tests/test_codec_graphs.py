@@ -1,0 +1,140 @@
+"""s2s/codec_graphs.py: the streaming codec's steady pushes through static, padded buffers equal its eager pushes.
+
+On a CUDA machine the graphs are captured and replayed; on a CPU the same buffers and padding run eagerly, so
+everything but the capture itself is checked here too.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from codec import EncodecTokenizer
+from s2s import AudioEvent, Engine, EngineConfig, ModelConfig, S2SModel, SamplingParams
+from s2s.codec_graphs import CodecGraphs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CAPTURE = DEVICE == "cuda"
+FS, FRAMES, ROWS = 320, 4, 6
+
+
+@pytest.fixture(scope="module")
+def tok() -> EncodecTokenizer:
+    return EncodecTokenizer.from_pretrained(seed=0, device=DEVICE)
+
+
+def noise(rows: int, samples: int, seed: int) -> np.ndarray:
+    return (0.3 * np.random.default_rng(seed).standard_normal((rows, samples))).clip(-1, 1).astype(np.float32)
+
+
+def counted(run, calls: list[int]):
+    def wrapped(x, state):
+        calls.append(len(x))
+        return run(x, state)
+
+    return wrapped
+
+
+def test_the_encoder_on_graphs_gives_the_eager_encoder_s_codes(tok) -> None:
+    """Rows that start at different times and push 4 frames a tick, some ticks with a row missing (a padded bucket),
+    some with a push of another length (eager): the same codes as the encoder without graphs."""
+    pcm = noise(ROWS, 40 * FS, seed=1)
+    graphs = CodecGraphs.encoder(tok, ROWS, FRAMES, capture=CAPTURE)
+    calls: list[int] = []
+    graphs.run = counted(graphs.run, calls)
+    outs = []
+    for graphed in (False, True):
+        enc = tok.streaming_encoder(ROWS)
+        if graphed:
+            enc.graphs = graphs
+        got: list[list[torch.Tensor]] = [[] for _ in range(ROWS)]
+        pos = [0] * ROWS
+        for tick in range(12):
+            rows = [r for r in range(ROWS) if r != tick % (ROWS + 1) and tick >= r // 2]
+            size = 3 * FS if tick == 7 else FRAMES * FS
+            chunks = [pcm[r, pos[r] : pos[r] + size] for r in rows]
+            for r, codes in zip(rows, enc.push(chunks, rows), strict=True):
+                got[r].append(codes)
+                pos[r] += size
+        outs.append([torch.cat(g, -1) for g in got])
+    assert len(calls) >= 8 and {3, 5} & set(calls), calls  # padded buckets (of 4 and 6) taken
+    for eager, graphed in zip(*outs, strict=True):
+        assert eager.shape[-1] >= 30  # they were heard
+        torch.testing.assert_close(graphed, eager, rtol=0, atol=0)
+
+
+def test_the_decoder_on_graphs_gives_the_eager_decoder_s_audio(tok) -> None:
+    """As for the encoder: rows past their warm-up through the graphs (padded buckets), rows in it and pushes of
+    another length eagerly; the same audio up to rounding, and the states carried on alike."""
+    codes = torch.from_numpy(np.random.default_rng(2).integers(0, tok.codebook_size, (ROWS, tok.num_codebooks, 60)))
+    graphs = CodecGraphs.decoder(tok, ROWS, FRAMES, capture=CAPTURE)
+    calls: list[int] = []
+    graphs.run = counted(graphs.run, calls)
+    outs = []
+    for graphed in (False, True):
+        dec = tok.streaming_decoder(ROWS)
+        if graphed:
+            dec.graphs = graphs
+        got: list[list[torch.Tensor]] = [[] for _ in range(ROWS)]
+        pos = [0] * ROWS
+        for tick in range(14):
+            rows = [r for r in range(ROWS) if r != tick % (ROWS + 1) and tick >= r // 2]
+            n = 3 if tick == 9 else FRAMES
+            pushed = torch.stack([codes[r, :, pos[r] : pos[r] + n] for r in rows]).to(DEVICE)
+            for r, pcm in zip(rows, dec.push(pushed, rows), strict=True):
+                got[r].append(pcm.cpu())
+                pos[r] += n
+        outs.append([torch.cat(g) for g in got])
+    assert len(calls) >= 8 and {3, 5} & set(calls), calls  # padded buckets (of 4 and 6) taken
+    for eager, graphed in zip(*outs, strict=True):
+        assert len(eager) >= 30 * FS
+        torch.testing.assert_close(graphed, eager, rtol=0, atol=1e-5)
+
+
+def test_pushes_that_do_not_fit_are_refused(tok) -> None:
+    graphs = CodecGraphs.decoder(tok, 2, FRAMES, capture=CAPTURE)
+    state = graphs.state
+    with pytest.raises(ValueError, match="rows of"):
+        graphs.run(torch.zeros(3, tok.num_codebooks, FRAMES, dtype=torch.long, device=DEVICE), state)
+    with pytest.raises(ValueError, match="rows of"):
+        graphs.run(torch.zeros(1, tok.num_codebooks, FRAMES + 1, dtype=torch.long, device=DEVICE), state)
+    if DEVICE == "cpu":
+        with pytest.raises(ValueError, match="CUDA device"):
+            CodecGraphs.decoder(tok, 2, FRAMES)
+
+
+def test_an_engine_with_its_codec_on_graphs_speaks_what_the_eager_engine_speaks(tok) -> None:
+    """Three duplex conversations in audio, 4 frames a tick, seeded: with the codec's graphs (the eager twin of what
+    a GPU captures) the engine hears and speaks the same, and its steady pushes go through them."""
+    model = S2SModel.from_seed(ModelConfig.preset("tiny", num_codebooks=tok.num_codebooks), seed=0, device=DEVICE)
+    pcm = noise(3, 30 * FRAMES * FS, seed=3)
+    heard, spoken, calls = [], [], []
+    for graphed in (False, True):
+        cfg = EngineConfig(num_pages=200, calibration_ticks=0, max_conversations=4, frames_per_tick=FRAMES)
+        engine = Engine(model, tok, cfg)
+        if graphed:
+            for side, make_graphs in (("encoder", CodecGraphs.encoder), ("decoder", CodecGraphs.decoder)):
+                graphs = make_graphs(tok, 4, FRAMES, capture=CAPTURE)
+                graphs.run = counted(graphs.run, calls)
+                getattr(engine.audio, side).graphs = graphs
+        cids = [engine.open("duplex", sampling=SamplingParams(temperature=0.8, seed=i)) for i in range(3)]
+        for a in range(0, pcm.shape[1], FRAMES * FS):
+            for cid, wav in zip(cids, pcm, strict=True):
+                engine.push_audio(cid, wav[a : a + FRAMES * FS])
+            engine.step()
+        heard.append([engine.sessions[c].user[: engine.sessions[c].user_frames].copy() for c in cids])
+        out = []
+        for cid in cids:
+            q = engine.event_queue(cid)
+            out.append(
+                np.concatenate([e.pcm for e in (q.get() for _ in range(q.qsize())) if isinstance(e, AudioEvent)])
+            )
+        spoken.append(out)
+    assert len(calls) >= 40 and 3 in calls, calls  # both sides, a padded bucket of 4
+    for eager, graphed in zip(*heard, strict=True):
+        assert len(eager) >= 100
+        np.testing.assert_array_equal(graphed, eager)
+    for eager, graphed in zip(*spoken, strict=True):
+        assert len(eager) >= 100 * FS
+        np.testing.assert_allclose(graphed, eager, rtol=0, atol=1e-5)
