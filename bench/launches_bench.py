@@ -1,15 +1,15 @@
-"""Launches benchmark: torch ops per engine tick, by phase, in eager mode.
+"""Launches benchmark: torch ops per engine tick, by phase, eager and on CUDA graphs.
 
     s2s bench launches [--quick] [--conversations 1,4,16,64,256] [--json PATH] [--plot PATH]
 
 The models served here are small, so on a GPU a tick's time is mostly the CPU issuing kernels, about one per torch
 op. This counts the ops (every aten call but views, which launch nothing, through a TorchDispatchMode) of ticks of N
-silent duplex conversations, 4 frames a tick, on the CPU with the eager paths: the model's forward, sampling, the
-codec's encoder and decoder, and within them EnCodec's LSTM as the CPU steps it (a GPU runs cuDNN's fused LSTM
-instead, and decode rounds on CUDA graphs, neither of which runs here). Each row's sampling noise comes from its own
-CPU generator on any device (`s2s/sampling.py`): host work, copied over in one copy, so not counted. Batched work costs
-the same ops at any N: what grows with N is a loop over conversations issuing ops. Counts do not depend on the
-machine; no time is measured.
+silent duplex conversations, 4 frames a tick, on the CPU: the model's forward, sampling, the codec's encoder and
+decoder, and within them EnCodec's LSTM as the CPU steps it (a GPU runs cuDNN's fused LSTM instead). Each N runs
+twice: on the eager paths, and on the graphs' paths as a GPU takes them (the decode rounds, sampling and the codec's
+steady pushes: `DecodeGraphs`, `SamplingGraphs`, `CodecGraphs`), through their eager twins, each replay counted as
+one launch and its copies in as theirs. Batched work costs the same ops at any N: what grows with N is a loop over
+conversations issuing ops. Counts do not depend on the machine; no time is measured.
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.common import environment, parser, print_table, save_outputs
 from codec import EncodecTokenizer, stream_layers
-from s2s import Engine, EngineConfig, ModelConfig, S2SModel, SamplingParams
+from s2s import Engine, EngineConfig, ModelConfig, S2SModel, SamplingParams, sampling, sampling_graphs
+from s2s.codec_graphs import CodecGraphs
+from s2s.cuda_graphs import DecodeGraphs
+from s2s.sampling_graphs import SamplingGraphs
 
 # (engine component, method): phase
 PHASES = {
@@ -36,6 +39,9 @@ PHASES = {
     ("audio", "decode"): "decode",
 }
 FRAMES_PER_TICK = 4
+PATHS = ("eager", "graphs")
+REPLAY = "replay"  # the label of what a graph holds: one launch, whatever it runs
+HOST = "host"  # the label of torch ops on host tensors, which a GPU does not launch (a graph's row keys)
 
 
 class _Count(TorchDispatchMode):
@@ -48,9 +54,23 @@ class _Count(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         generator = (kwargs or {}).get("generator")
         on_host = generator is not None and generator.device.type == "cpu"  # a row's sampling noise: host work
-        if not (func.is_view or on_host):  # a view (a select, a slice, a detach) launches no kernel either
+        if not (func.is_view or on_host or REPLAY in self.stack or HOST in self.stack):  # a view launches nothing
             self.counts[self.stack[-1]] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _replayed(fn, stack: list[str], counts: collections.Counter):
+    """A graph's eager twin counted as its replay: one launch for the phase that calls it."""
+
+    def run(*args, **kwargs):
+        counts[stack[-1]] += 1
+        stack.append(REPLAY)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            stack.pop()
+
+    return run
 
 
 def _labelled(fn, label: str, stack: list[str]):
@@ -64,8 +84,25 @@ def _labelled(fn, label: str, stack: list[str]):
     return run
 
 
-def count(preset: str, conversations: int, ticks: int) -> dict:
-    """Mean ops per tick by phase, over `ticks` ticks after the codec's streams have warmed up."""
+def _on_graphs(engine: Engine, tok: EncodecTokenizer, stack: list[str], counts: collections.Counter) -> None:
+    """The engine as a GPU runs it, through the graphs' eager twins, each replay counted as one launch."""
+    model, cfg, n = engine.model, engine.model.config, engine.cfg.max_conversations
+    runner, audio = engine.runner, engine.audio
+    max_pages = -(-cfg.max_position_embeddings // engine.cfg.page_size)  # as `ModelRunner`
+    runner.graphs = DecodeGraphs(model, engine.pool.k, engine.pool.v, engine.cfg.page_size, n, max_pages, False)
+    runner.sampler = SamplingGraphs(n, cfg.num_codebooks, cfg.vocab_size, cfg.pad_id, "cpu", capture=False)
+    audio.encoder.graphs = CodecGraphs.encoder(tok, n, FRAMES_PER_TICK, capture=False)
+    audio.decoder.graphs = CodecGraphs.decoder(tok, n, FRAMES_PER_TICK, capture=False)
+    runner.graphs._step = _replayed(runner.graphs._step, stack, counts)
+    runner.sampler._sample = _replayed(runner.sampler._sample, stack, counts)
+    sampling_graphs.stream_keys = _labelled(sampling.stream_keys, HOST, stack)
+    for graphs in (audio.encoder.graphs, audio.decoder.graphs):
+        graphs._step = _replayed(graphs._step, stack, counts)
+
+
+def count(preset: str, conversations: int, ticks: int, path: str) -> dict:
+    """Mean ops per tick by phase, over `ticks` ticks after the codec's streams have warmed up; `path`: "eager", or
+    "graphs" (as a GPU runs the tick)."""
     tok = EncodecTokenizer.from_pretrained()
     model = S2SModel.from_seed(ModelConfig.preset(preset, num_codebooks=tok.num_codebooks), seed=0)
     cfg = EngineConfig(
@@ -76,6 +113,8 @@ def count(preset: str, conversations: int, ticks: int) -> dict:
     )
     engine = Engine(model, tok, cfg)
     stack, counts = ["other"], collections.Counter()
+    if path == "graphs":
+        _on_graphs(engine, tok, stack, counts)
     for (part, method), label in PHASES.items():
         component = getattr(engine, part)
         setattr(component, method, _labelled(getattr(component, method), label, stack))
@@ -90,13 +129,17 @@ def count(preset: str, conversations: int, ticks: int) -> dict:
             if tick < 8:
                 engine.step()
                 continue
+            if tick == 8:
+                counts.clear()  # (what the warm-up's replays counted)
             with _Count(stack, counts):
                 engine.step()
     finally:
         stream_layers._LSTM.stepped = lstm
+        sampling_graphs.stream_keys = sampling.stream_keys
     return {
         "preset": preset,
         "conversations": conversations,
+        "path": path,
         "frames_per_tick": FRAMES_PER_TICK,
         **{
             f"{label.replace(' ', '_').lower()}_ops": counts[label] / ticks
@@ -108,16 +151,17 @@ def count(preset: str, conversations: int, ticks: int) -> dict:
 
 def plot(rows: list[dict], path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(8, 4))
-    labels = [f"{r['preset']}, {r['conversations']} conv" for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    labels = [f"{r['preset']}, {r['conversations']} conv, {r['path']}" for r in rows]
     bottom = np.zeros(len(rows))
     for key in ("forward_ops", "sample_ops", "encode_ops", "decode_ops", "codec_lstm_ops", "other_ops"):
         h = np.array([r[key] for r in rows])
         ax.bar(labels, h, bottom=bottom, label=key.removesuffix("_ops"))
         bottom += h
-    ax.set_ylabel("torch ops per tick (eager)")
+    ax.set_ylabel("torch ops per tick (a replay: one)")
+    ax.tick_params(axis="x", labelrotation=90, labelsize=7)
     ax.set_title(f"Ops per tick, {FRAMES_PER_TICK} frames a tick")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1, 1))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -129,13 +173,14 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     levels = [1, 16] if args.quick else [int(n) for n in args.conversations.split(",")]
     grid = [("small", n) for n in levels] if args.quick else [(p, n) for p in ("tiny", "small") for n in levels]
-    rows = [{**count(p, n, ticks=2 if args.quick else 4), **environment()} for p, n in grid]
+    rows = [{**count(p, n, 2 if args.quick else 4, path), **environment()} for p, n in grid for path in PATHS]
     tables = print_table(
-        "Torch ops per tick by phase (eager; one op is about one kernel launch on a GPU)",
+        "Torch ops per tick by phase (one op is about one kernel launch on a GPU; a graph's replay counts one)",
         rows,
         [
             ("preset", "preset"),
             ("conversations", "conversations"),
+            ("path", "path"),
             ("forward_ops", "model forward"),
             ("sample_ops", "sampling"),
             ("encode_ops", "codec encoder"),
