@@ -14,6 +14,8 @@ the graph embeds through `embed_checked`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -113,10 +115,12 @@ class DecodeGraphs:
         table: np.ndarray,
         lengths: np.ndarray,
         shifts: np.ndarray | None = None,
+        fill: Callable[[torch.Tensor], None] | None = None,
     ) -> torch.Tensor:
         """One decode round: `tokens[s]` `[2K]` is sequence s's new step, written at position `cached_lens[s]` of
         its pages (`table[s]`, `lengths[s]` of them: `page_table`), at position `cached_lens[s] + shifts[s]` for
-        RoPE (`PagedBatch`). Returns the logits `[S, K, vocab]` (a copy: the graph's output buffer is reused)."""
+        RoPE (`PagedBatch`); `fill` then writes codes still on the device into the steps' tokens there (`[S, 2K]`).
+        Returns the logits `[S, K, vocab]` (a copy: the graph's output buffer is reused)."""
         n = len(cached_lens)
         vocab = self.model.config.vocab_size
         if tokens.shape != (n, self.model.config.step_width):
@@ -151,6 +155,8 @@ class DecodeGraphs:
             (self.seqlens_k, seqlens),
         ):
             dst[:size].copy_(torch.from_numpy(src))
+        if fill is not None:
+            fill(self.tokens[:n])
         if self.capture:
             self.graphs[size].replay()
             return self.logits[size][:n].clone()

@@ -47,9 +47,18 @@ class LaneRound:
     table: np.ndarray  # [n, P] int32 page tables (what each attends to)
     lengths: np.ndarray  # [n] pages in each table
     shifts: np.ndarray  # [n] added to positions for RoPE (steps its window left out)
+    fill: tuple[np.ndarray, torch.Tensor] | None = None  # the model codes wanted from the last round [n, K], and them
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def fill_into(self, tokens: torch.Tensor) -> None:
+        """The last round's sampled codes, still on the device, into these steps' tokens `[n, 2K]` (on the device)
+        where they want them (`tokens` holds 0 there)."""
+        if self.fill is not None:
+            wanted, codes = self.fill
+            k = codes.shape[1]
+            tokens[:, k:] = torch.where(torch.from_numpy(wanted).to(tokens.device), codes, tokens[:, k:])
 
 
 class DuplexLane:
@@ -86,6 +95,7 @@ class DuplexLane:
         self.params: list[SamplingParams] = [s.sampling for s in rows]
         self.streams: list[RandomStream] = [s.generator for s in rows]
         self.done = np.zeros(len(rows), dtype=np.int64)  # rounds each row has stepped
+        self._pending: tuple[np.ndarray, int, torch.Tensor] | None = None  # the last round's codes, not yet written
         self.given = np.zeros(len(rows), dtype=np.int64)  # of those, steps given back to its session
         self._logits: list[tuple[torch.Tensor, np.ndarray, float]] = []  # each round's: rows' logits, rows, when
 
@@ -247,8 +257,17 @@ class DuplexLane:
             lengths = lengths - skip
             pages = np.take_along_axis(table, np.minimum(source, table.shape[1] - 1), axis=1)
             table = np.where(columns < lengths[:, None], pages, 0).astype(np.int32)
-        tokens = self.tokens[at, index].copy()
-        return LaneRound(index, rows, tokens, computed - hidden * ps, table, lengths, hidden * ps)
+        tokens, fill = self.tokens[at, index].copy(), None
+        if self._pending is not None:  # the last round's codes are still on the device: the forward takes them there
+            stepped, nxt, codes = self._pending
+            if nxt != index:
+                raise AssertionError(f"round {index} after the codes of round {nxt - 1} were left unwritten")
+            if len(rows) < len(stepped):  # (a row steps in a round only if it stepped in the one before)
+                codes = codes[torch.from_numpy(np.searchsorted(stepped, rows)).to(codes.device)]
+            wanted = self.wanted[at, index]
+            tokens[:, len(self.delays) :][wanted] = 0
+            fill = (wanted, codes)
+        return LaneRound(index, rows, tokens, computed - hidden * ps, table, lengths, hidden * ps, fill)
 
     def _at(self, rows: np.ndarray) -> np.ndarray | slice:
         """`rows` as an index into the lane's arrays: every row (in order) as a slice, which indexes without a
@@ -261,12 +280,31 @@ class DuplexLane:
         rows = r.rows.tolist()
         return [self.params[i] for i in rows], [self.streams[i] for i in rows]
 
-    def accept(self, r: LaneRound, codes: np.ndarray, logits: torch.Tensor, now: float) -> None:
-        """The round's sampled codes `[n, K]` fill what each row's next step wanted; `logits` `[n, K, V]`."""
-        k, nxt, at = len(self.delays), r.index + 1, self._at(r.rows)
-        self.tokens[at, nxt, k:] = np.where(self.wanted[at, nxt], codes, self.tokens[at, nxt, k:])
-        self.done[at] = nxt
+    def accept(self, r: LaneRound, codes: np.ndarray | torch.Tensor, logits: torch.Tensor, now: float) -> None:
+        """The round's sampled codes `[n, K]` fill what each row's next step wanted; `logits` `[n, K, V]`.
+
+        Codes in a tensor (on the device) are written on the host only when next read (`_write_pending`: by the next
+        round's `accept`, or a give-back), and the next round takes them on the device (`LaneRound.fill`): the host
+        then waits on a round's codes only once the device has the next round, which it computes meanwhile, as
+        SGLang's overlap scheduler and vLLM's async scheduling overlap a step's host work with the last step."""
+        self._write_pending()
+        at = self._at(r.rows)
+        if isinstance(codes, torch.Tensor):
+            self._pending = (r.rows, r.index + 1, codes)
+        else:
+            self._write(at, r.index + 1, codes)
+        self.done[at] = r.index + 1
         self._logits.append((logits, r.rows, now))
+
+    def _write(self, at: np.ndarray | slice, nxt: int, codes: np.ndarray) -> None:
+        k = len(self.delays)
+        self.tokens[at, nxt, k:] = np.where(self.wanted[at, nxt], codes, self.tokens[at, nxt, k:])
+
+    def _write_pending(self) -> None:
+        if self._pending is not None:
+            stepped, nxt, codes = self._pending
+            self._pending = None
+            self._write(self._at(stepped), nxt, codes.cpu().numpy())  # (waits for the round that sampled them)
 
     def give_back(self, s: Session) -> None:
         """The session's steps so far go back to it, and it steps no more this tick (another preempts it)."""
@@ -276,6 +314,7 @@ class DuplexLane:
 
     def give_back_all(self) -> None:
         """The tick is over: every row's steps go back to its session."""
+        self._write_pending()
         rows = np.flatnonzero(self._in_lane)
         self.ahead, self.rest, self.stalled = False, self.others, []
         if len(rows):
@@ -288,6 +327,7 @@ class DuplexLane:
 
     def _give_steps(self, rows: list[int] | np.ndarray) -> None:
         """Each row's steps not yet given back go to its session, with the logits of its last step."""
+        self._write_pending()
         rows = np.asarray(rows, dtype=np.int64)
         rows = rows[self.done[rows] > self.given[rows]]
         if not len(rows):

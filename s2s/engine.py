@@ -367,7 +367,9 @@ class Engine:
         codes = self.runner.sample(torch.cat(logits) if len(logits) > 1 else logits[0], params, streams)
         now = self.clock()
         if lane is not None:
-            self.lane.accept(lane, codes[len(todo) :], lane_logits, computed_at)
+            self.lane.accept(lane, codes[len(todo) :], lane_logits, computed_at)  # (still on the device)
+        if todo and isinstance(codes, torch.Tensor):
+            codes = codes[: len(todo)].cpu().numpy()
         for (s, filled), c in zip(todo, codes[: len(todo)], strict=True):
             s.accept(c, filled)
             if s.phase is Phase.REPLY:

@@ -80,15 +80,19 @@ class ModelRunner:
             new_lens = np.concatenate([new_lens, np.ones(len(lane), dtype=np.int64)])
             lengths = np.concatenate([lengths, lane.lengths])
             table = stack_tables(table, lane.table)
+        fill = None if lane is None or lane.fill is None else lambda t: lane.fill_into(t[len(t) - len(lane) :])
         if self.graphs is not None and len(tokens) == len(new_lens) and self.graphs.fits(len(new_lens), table):
-            return self.graphs.run(tokens, cached, table, lengths, shifts)
+            return self.graphs.run(tokens, cached, table, lengths, shifts, fill)
         batch = PagedBatch.from_table(cached, new_lens, table, lengths, self.pool.page_size, self.device, shifts)
         device_tokens = torch.from_numpy(tokens).to(self.device)
+        if fill is not None:
+            fill(device_tokens)
         out = self.model.forward_paged(device_tokens, batch, self.pool.k, self.pool.v, self.batch_invariant)
         return out.logits
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], streams: list[RandomStream]) -> np.ndarray:
-        """The next step's codes `[S, K]` from logits `[S, K, V]`, each row with its own settings and stream."""
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], streams: list[RandomStream]) -> torch.Tensor:
+        """The next step's codes `[S, K]` from logits `[S, K, V]`, each row with its own settings and stream, on the
+        logits' device (copying them to the host waits for the device)."""
         if self.sampler is not None and self.sampler.fits(len(logits)):
             return self.sampler.run(logits, params, streams)
-        return sample(logits, params, streams, self.model.config.pad_id).cpu().numpy()
+        return sample(logits, params, streams, self.model.config.pad_id)

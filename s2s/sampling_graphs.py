@@ -9,7 +9,6 @@ are padding; their codes are dropped. It chooses what `sample` chooses, stream f
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from s2s.cuda_graphs import bucket_sizes
@@ -79,9 +78,10 @@ class SamplingGraphs:
     def fits(self, num_rows: int) -> bool:
         return num_rows <= self.sizes[-1]
 
-    def run(self, logits: torch.Tensor, params: list[SamplingParams], streams: list[RandomStream]) -> np.ndarray:
+    def run(self, logits: torch.Tensor, params: list[SamplingParams], streams: list[RandomStream]) -> torch.Tensor:
         """The next step's codes `[S, K]` from logits `[S, K, vocab]`, each row with its own settings and stream
-        (each stream counts one draw), as `sample` gives them."""
+        (each stream counts one draw), as `sample` gives them, on the device (a copy: the graph's buffer is
+        reused)."""
         n = len(logits)
         if len(params) != n or len(streams) != n:
             raise ValueError(f"{n} rows but {len(params)} params and {len(streams)} streams")
@@ -100,5 +100,5 @@ class SamplingGraphs:
             dst[:n].copy_(src)
         if self.capture:
             self.graphs[size].replay()
-            return self.codes[size][:n].cpu().numpy()
-        return self._sample(size)[:n].cpu().numpy()
+            return self.codes[size][:n].clone()
+        return self._sample(size)[:n]

@@ -112,9 +112,9 @@ def test_bad_rounds_are_refused(model) -> None:
 
 
 def counted(run, sizes: list[int]):
-    def wrapped(tokens, cached_lens, table, lengths, shifts):
+    def wrapped(tokens, cached_lens, table, lengths, shifts, fill):
         sizes.append(len(cached_lens))
-        return run(tokens, cached_lens, table, lengths, shifts)
+        return run(tokens, cached_lens, table, lengths, shifts, fill)
 
     return wrapped
 

@@ -164,3 +164,35 @@ def test_sessions_whose_frames_outgrow_the_rows_stream_the_same(model) -> None:
     assert limited[4] > 0 and roomy[4] == 0, "some sessions' frames left the rows, and only where they were short"
     assert limited[1] > 1000, "the others stepped in the lane"
     assert limited[0] == roomy[0] and limited[2:4] == roomy[2:4]
+
+
+def test_the_host_reads_a_round_s_codes_only_once_the_next_round_is_on_the_device(model) -> None:
+    """Lane-only rounds keep their sampled codes on the device: the next round's forward takes them there, and the
+    host reads them (a wait on the device) after that forward is given, not before: in a steady tick of 4 rounds,
+    forward, forward, read, forward, read, forward, read, then the last read as the steps go back."""
+    engine = Engine(model, None, EngineConfig(num_pages=400, calibration_ticks=0, frames_per_tick=4))
+    log: list[str] = []
+    forward, write_pending = engine.runner.forward, engine.lane._write_pending
+
+    def logged_forward(work, lane=None):
+        log.append("forward")
+        return forward(work, lane)
+
+    def logged_write_pending():
+        if engine.lane._pending is not None:
+            log.append("read")
+        write_pending()
+
+    engine.runner.forward, engine.lane._write_pending = logged_forward, logged_write_pending
+    cids = [engine.open("duplex", sampling=SamplingParams(seed=i)) for i in range(3)]
+    rng = np.random.default_rng(0)
+    ticks = []
+    for _ in range(12):
+        for cid in cids:
+            engine.push_codes(cid, rng.integers(0, 64, (K, 4)))
+        log.clear()
+        engine.step()
+        ticks.append(list(log))
+    steady = ["forward", "forward", "read", "forward", "read", "forward", "read", "read"]
+    assert sum(t == steady for t in ticks) >= 6, ticks  # (a tick whose rows need pages gives their steps back early)
+    assert all(t.count("read") <= t.count("forward") for t in ticks), ticks
