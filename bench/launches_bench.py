@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from bench.common import environment, parser, print_table, save_outputs
 from codec import EncodecTokenizer, stream_layers
 from s2s import Engine, EngineConfig, ModelConfig, S2SModel, SamplingParams, sampling, sampling_graphs
-from s2s.codec_graphs import CodecGraphs
+from s2s.codec_graphs import codec_graphs
 from s2s.cuda_graphs import DecodeGraphs
 from s2s.sampling_graphs import SamplingGraphs
 
@@ -91,8 +91,7 @@ def _on_graphs(engine: Engine, tok: EncodecTokenizer, stack: list[str], counts: 
     max_pages = -(-cfg.max_position_embeddings // engine.cfg.page_size)  # as `ModelRunner`
     runner.graphs = DecodeGraphs(model, engine.pool.k, engine.pool.v, engine.cfg.page_size, n, max_pages, False)
     runner.sampler = SamplingGraphs(n, cfg.num_codebooks, cfg.vocab_size, cfg.pad_id, "cpu", capture=False)
-    audio.encoder.graphs = CodecGraphs.encoder(tok, n, FRAMES_PER_TICK, capture=False)
-    audio.decoder.graphs = CodecGraphs.decoder(tok, n, FRAMES_PER_TICK, capture=False)
+    audio.encoder.graphs, audio.decoder.graphs = codec_graphs(tok, n, FRAMES_PER_TICK, capture=False)
     runner.graphs._step = _replayed(runner.graphs._step, stack, counts)
     runner.sampler._sample = _replayed(runner.sampler._sample, stack, counts)
     sampling_graphs.stream_keys = _labelled(sampling.stream_keys, HOST, stack)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from codec import EncodecTokenizer
-from s2s.codec_graphs import CodecGraphs
+from s2s.codec_graphs import codec_graphs
 from s2s.config import FRAME_S
 from s2s.events import NO_TIMES, AudioEvent, CodesEvent, made
 from s2s.frames import UNKNOWN, FrameRows, along_last
@@ -39,13 +39,12 @@ class AudioIO:
     ):
         """`user_frames`, `model_frames`: every live session's recent frames, which new user frames are written into
         and the decoder reads; `batch_invariant`: the codec computes each row alone, a frame a call
-        (`codec/streaming.py`); `graph_frames`: with the codec on a GPU, its steady pushes of that many frames
-        replay from CUDA graphs (`CodecGraphs`)."""
+        (`codec/streaming.py`); `graph_frames`: a tick's frames: with the codec on a GPU, the decoder's steady pushes
+        of that many frames and the encoder's of up to twice as many replay from CUDA graphs (`CodecGraphs`)."""
         self.encoder = tokenizer.streaming_encoder(rows, batch_invariant) if tokenizer else None
         self.decoder = tokenizer.streaming_decoder(rows, batch_invariant) if tokenizer else None
         if tokenizer is not None and graph_frames and tokenizer.device.type == "cuda" and not batch_invariant:
-            self.encoder.graphs = CodecGraphs.encoder(tokenizer, rows, graph_frames)
-            self.decoder.graphs = CodecGraphs.decoder(tokenizer, rows, graph_frames)
+            self.encoder.graphs, self.decoder.graphs = codec_graphs(tokenizer, rows, graph_frames)
         self.user_frames, self.model_frames = user_frames, model_frames
         self.codebook_size, self.jitter_buffer_s, self.stats, self.clock = codebook_size, jitter_buffer_s, stats, clock
         if tokenizer is not None:

@@ -1,12 +1,14 @@
-"""CodecGraphs: the streaming codec's steady step (the encoder's PCM to codes, the decoder's codes to PCM, each row
-from its carried state) replayed from CUDA graphs, one per batch bucket, for a tick's usual chunk of frames.
+"""CodecGraphs: the streaming codec's steady push (the encoder's PCM to codes, the decoder's codes to PCM, each row
+from its carried state) replayed from CUDA graphs, one per batch bucket and push length.
 
 The codec's nets are dozens of small convolutions and an LSTM: on a GPU, launches at every tick as the model's were
-(`s2s/cuda_graphs.py`). A steady push of `frames` frames has fixed shapes whatever the rows, so, as for the decode
-step, each bucket size is captured once over static buffers (the input, and every tensor of the state); a push copies
-its rows' input and state in, replays, and takes the output and the new state from the graph's buffers. Rows past the
-real batch are padding: the codec's rows never mix, and their output is dropped. A push of another length, or a
-row still in its warm-up (`codec/streaming.py`), runs eagerly.
+(`s2s/cuda_graphs.py`). A steady push of a given length has fixed shapes whatever the rows, so, as for the decode
+step, each bucket size and length is captured once over static buffers (the input, at the longest length, and every
+tensor of the state) in one memory pool; a push copies its rows' input and state in, replays, and takes the output
+and the new state from the graph's buffers. Rows past the real batch are padding: the codec's rows never mix, and
+their output is dropped. A push of another length, or a row still in its warm-up (`codec/streaming.py`), runs
+eagerly. The decoder's pushes are the engine's own (a tick's frames); the encoder's are the clients' (Moshi's client
+sends 80 ms, 6 frames), so it is captured for every length up to twice a tick's.
 """
 
 from __future__ import annotations
@@ -41,49 +43,58 @@ def _zeros(state: State, rows: int) -> State:
 
 
 class CodecGraphs:
-    """`step(x, state) -> (y, new_state)` over up to `max_batch` rows of one input shape (`one_row`, `[1, ...]`),
-    each row's state shaped as `one_state`'s; with `capture=False` the same static buffers and padding run eagerly
-    (the CPU path of the tests: everything here but the capture itself)."""
+    """`step(x, state) -> (y, new_state)` over up to `max_batch` rows of input `[R, ..., L]` for each length L of
+    `lengths`, each row's input shaped as `one_row`'s (`[1, ..., any]`) and its state as `one_state`'s; with
+    `capture=False` the same static buffers and padding run eagerly (the CPU path of the tests: everything here but
+    the capture itself)."""
 
-    def __init__(self, step: Step, one_row: torch.Tensor, one_state: State, max_batch: int, capture: bool = True):
+    def __init__(
+        self,
+        step: Step,
+        one_row: torch.Tensor,
+        lengths: list[int],
+        one_state: State,
+        max_batch: int,
+        capture: bool = True,
+    ):
         if capture and one_row.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {one_row.device}")
-        self.step, self.capture = step, capture
+        self.step, self.capture, self.lengths = step, capture, sorted(lengths)
         self.sizes = bucket_sizes(max_batch)
-        self.input = one_row.new_zeros((self.sizes[-1], *one_row.shape[1:]))
+        self.input = one_row.new_zeros((self.sizes[-1], *one_row.shape[1:-1], self.lengths[-1]))
         self.state = _zeros(one_state, self.sizes[-1])
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, State]] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, State]] = {}
         if capture:
             self._capture_all()
 
     @classmethod
-    def encoder(cls, tok: EncodecTokenizer, max_batch: int, frames: int, capture: bool = True) -> CodecGraphs:
-        """PCM `[R, 1, frames x 320]` and the encoder's state to codes `[R, K, frames]`."""
+    def encoder(cls, tok: EncodecTokenizer, max_batch: int, frames: list[int], capture: bool = True) -> CodecGraphs:
+        """PCM `[R, 1, n x 320]` and the encoder's state to codes `[R, K, n]`, for each n of `frames`."""
 
         def step(pcm: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
             latent, new_state = tok.encoder_net(pcm, state)
             return tok.quantize(latent), new_state
 
-        pcm = torch.zeros(1, 1, frames * tok.frame_size, device=tok.device)
         with torch.inference_mode():
-            _, state = tok.encoder_net(pcm.new_zeros(1, 1, tok.encoder_warmup_frames * tok.frame_size), None)
-        return cls(step, pcm, state, max_batch, capture)
+            pcm = torch.zeros(1, 1, tok.encoder_warmup_frames * tok.frame_size, device=tok.device)
+            _, state = tok.encoder_net(pcm, None)
+        return cls(step, pcm, [n * tok.frame_size for n in frames], state, max_batch, capture)
 
     @classmethod
-    def decoder(cls, tok: EncodecTokenizer, max_batch: int, frames: int, capture: bool = True) -> CodecGraphs:
-        """Codes `[R, K, frames]` and the decoder's state to PCM `[R, 1, frames x 320]`."""
+    def decoder(cls, tok: EncodecTokenizer, max_batch: int, frames: list[int], capture: bool = True) -> CodecGraphs:
+        """Codes `[R, K, n]` and the decoder's state to PCM `[R, 1, n x 320]`, for each n of `frames`."""
 
         def step(codes: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
             return tok.decoder_net(tok.dequantize(codes), state)
 
-        codes = torch.zeros(1, tok.num_codebooks, frames, dtype=torch.long, device=tok.device)
         with torch.inference_mode():
-            _, state = step(codes.new_zeros(1, tok.num_codebooks, tok.decoder_warmup_frames), None)
-        return cls(step, codes, state, max_batch, capture)
+            codes = torch.zeros(1, tok.num_codebooks, tok.decoder_warmup_frames, dtype=torch.long, device=tok.device)
+            _, state = step(codes, None)
+        return cls(step, codes, frames, state, max_batch, capture)
 
-    def _step(self, size: int) -> tuple[torch.Tensor, State]:
-        return self.step(self.input[:size], _rows(self.state, size))
+    def _step(self, length: int, size: int) -> tuple[torch.Tensor, State]:
+        return self.step(self.input[:size, ..., :length], _rows(self.state, size))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -93,32 +104,43 @@ class CodecGraphs:
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                for size in self.sizes:
-                    self._step(size)
+                for length in self.lengths:
+                    for size in self.sizes:
+                        self._step(length, size)
             torch.cuda.current_stream(device).wait_stream(side)
-            for size in reversed(self.sizes):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[size] = self._step(size)
-                pool = graph.pool()
-                self.graphs[size] = graph
+            for length in reversed(self.lengths):
+                for size in reversed(self.sizes):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self.outputs[length, size] = self._step(length, size)
+                    pool = graph.pool()
+                    self.graphs[length, size] = graph
             torch.cuda.synchronize(device)
 
     def fits(self, x: torch.Tensor) -> bool:
-        return len(x) <= self.sizes[-1] and x.shape[1:] == self.input.shape[1:]
+        return len(x) <= self.sizes[-1] and x.shape[1:-1] == self.input.shape[1:-1] and x.shape[-1] in self.lengths
 
     def run(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
         """`step(x, state)` for `len(x)` rows. The output and the new state are views of the graph's buffers, which
         the next run overwrites: the caller copies them out (the streaming codec scatters the state into its rows)."""
         if not self.fits(x):
-            raise ValueError(f"{list(x.shape)} is not up to {self.sizes[-1]} rows of {list(self.input.shape[1:])}")
-        n = len(x)
+            shape = [*self.input.shape[1:-1], self.lengths]
+            raise ValueError(f"{list(x.shape)} is not up to {self.sizes[-1]} rows of {shape}")
+        n, length = len(x), x.shape[-1]
         size = next(s for s in self.sizes if s >= n)
-        self.input[:n].copy_(x)
+        self.input[:n, ..., :length].copy_(x)
         _copy_rows(self.state, state)
         if self.capture:
-            self.graphs[size].replay()
-            y, new_state = self.outputs[size]
+            self.graphs[length, size].replay()
+            y, new_state = self.outputs[length, size]
         else:
-            y, new_state = self._step(size)
+            y, new_state = self._step(length, size)
         return y[:n], _rows(new_state, n)
+
+
+def codec_graphs(
+    tok: EncodecTokenizer, rows: int, tick_frames: int, capture: bool = True
+) -> tuple[CodecGraphs, CodecGraphs]:
+    """The encoder's graphs, for pushes of 1 to twice `tick_frames` frames, and the decoder's, for a tick's."""
+    encoder = CodecGraphs.encoder(tok, rows, list(range(1, 2 * tick_frames + 1)), capture)
+    return encoder, CodecGraphs.decoder(tok, rows, [tick_frames], capture)

@@ -12,11 +12,11 @@ import torch
 
 from codec import EncodecTokenizer
 from s2s import AudioEvent, Engine, EngineConfig, ModelConfig, S2SModel, SamplingParams
-from s2s.codec_graphs import CodecGraphs
+from s2s.codec_graphs import CodecGraphs, codec_graphs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CAPTURE = DEVICE == "cuda"
-FS, FRAMES, ROWS = 320, 4, 6
+FS, FRAMES, ROWS, BLOCK = 320, 4, 6, 1920
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +28,11 @@ def noise(rows: int, samples: int, seed: int) -> np.ndarray:
     return (0.3 * np.random.default_rng(seed).standard_normal((rows, samples))).clip(-1, 1).astype(np.float32)
 
 
-def counted(run, calls: list[int]):
+def counted(run, calls: list[int], lengths: list[int] | None = None):
     def wrapped(x, state):
         calls.append(len(x))
+        if lengths is not None:
+            lengths.append(x.shape[-1])
         return run(x, state)
 
     return wrapped
@@ -40,7 +42,7 @@ def test_the_encoder_on_graphs_gives_the_eager_encoder_s_codes(tok) -> None:
     """Rows that start at different times and push 4 frames a tick, some ticks with a row missing (a padded bucket),
     some with a push of another length (eager): the same codes as the encoder without graphs."""
     pcm = noise(ROWS, 40 * FS, seed=1)
-    graphs = CodecGraphs.encoder(tok, ROWS, FRAMES, capture=CAPTURE)
+    graphs = CodecGraphs.encoder(tok, ROWS, [FRAMES], capture=CAPTURE)
     calls: list[int] = []
     graphs.run = counted(graphs.run, calls)
     outs = []
@@ -68,7 +70,7 @@ def test_the_decoder_on_graphs_gives_the_eager_decoder_s_audio(tok) -> None:
     """As for the encoder: rows past their warm-up through the graphs (padded buckets), rows in it and pushes of
     another length eagerly; the same audio up to rounding, and the states carried on alike."""
     codes = torch.from_numpy(np.random.default_rng(2).integers(0, tok.codebook_size, (ROWS, tok.num_codebooks, 60)))
-    graphs = CodecGraphs.decoder(tok, ROWS, FRAMES, capture=CAPTURE)
+    graphs = CodecGraphs.decoder(tok, ROWS, [FRAMES], capture=CAPTURE)
     calls: list[int] = []
     graphs.run = counted(graphs.run, calls)
     outs = []
@@ -93,7 +95,7 @@ def test_the_decoder_on_graphs_gives_the_eager_decoder_s_audio(tok) -> None:
 
 
 def test_pushes_that_do_not_fit_are_refused(tok) -> None:
-    graphs = CodecGraphs.decoder(tok, 2, FRAMES, capture=CAPTURE)
+    graphs = CodecGraphs.decoder(tok, 2, [FRAMES], capture=CAPTURE)
     state = graphs.state
     with pytest.raises(ValueError, match="rows of"):
         graphs.run(torch.zeros(3, tok.num_codebooks, FRAMES, dtype=torch.long, device=DEVICE), state)
@@ -101,27 +103,30 @@ def test_pushes_that_do_not_fit_are_refused(tok) -> None:
         graphs.run(torch.zeros(1, tok.num_codebooks, FRAMES + 1, dtype=torch.long, device=DEVICE), state)
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="CUDA device"):
-            CodecGraphs.decoder(tok, 2, FRAMES)
+            CodecGraphs.decoder(tok, 2, [FRAMES])
 
 
 def test_an_engine_with_its_codec_on_graphs_speaks_what_the_eager_engine_speaks(tok) -> None:
-    """Three duplex conversations in audio, 4 frames a tick, seeded: with the codec's graphs (the eager twin of what
-    a GPU captures) the engine hears and speaks the same, and its steady pushes go through them."""
+    """Three duplex conversations in audio, seeded, sent as Moshi's client sends it (80 ms blocks: 6, 6 and 0 frames
+    over 3 ticks of 4): with the codec's graphs as the engine makes them on a GPU (their eager twins) the engine
+    hears and speaks the same, and its steady pushes, the encoder's of 6 frames and the decoder's of 4, go through
+    them."""
     model = S2SModel.from_seed(ModelConfig.preset("tiny", num_codebooks=tok.num_codebooks), seed=0, device=DEVICE)
     pcm = noise(3, 30 * FRAMES * FS, seed=3)
-    heard, spoken, calls = [], [], []
+    heard, spoken, calls, lengths = [], [], [], []
     for graphed in (False, True):
         cfg = EngineConfig(num_pages=200, calibration_ticks=0, max_conversations=4, frames_per_tick=FRAMES)
         engine = Engine(model, tok, cfg)
         if graphed:
-            for side, make_graphs in (("encoder", CodecGraphs.encoder), ("decoder", CodecGraphs.decoder)):
-                graphs = make_graphs(tok, 4, FRAMES, capture=CAPTURE)
-                graphs.run = counted(graphs.run, calls)
-                getattr(engine.audio, side).graphs = graphs
+            engine.audio.encoder.graphs, engine.audio.decoder.graphs = codec_graphs(tok, 4, FRAMES, CAPTURE)
+            for side in (engine.audio.encoder, engine.audio.decoder):
+                side.graphs.run = counted(side.graphs.run, calls, lengths)
         cids = [engine.open("duplex", sampling=SamplingParams(temperature=0.8, seed=i)) for i in range(3)]
-        for a in range(0, pcm.shape[1], FRAMES * FS):
-            for cid, wav in zip(cids, pcm, strict=True):
-                engine.push_audio(cid, wav[a : a + FRAMES * FS])
+        for tick in range(pcm.shape[1] // (FRAMES * FS)):
+            if tick % 3 < 2:
+                at = (tick // 3 * 2 + tick % 3) * BLOCK
+                for cid, wav in zip(cids, pcm, strict=True):
+                    engine.push_audio(cid, wav[at : at + BLOCK])
             engine.step()
         heard.append([engine.sessions[c].user[: engine.sessions[c].user_frames].copy() for c in cids])
         out = []
@@ -131,7 +136,8 @@ def test_an_engine_with_its_codec_on_graphs_speaks_what_the_eager_engine_speaks(
                 np.concatenate([e.pcm for e in (q.get() for _ in range(q.qsize())) if isinstance(e, AudioEvent)])
             )
         spoken.append(out)
-    assert len(calls) >= 40 and 3 in calls, calls  # both sides, a padded bucket of 4
+    assert len(calls) >= 40 and set(calls) == {3}, calls  # a padded bucket of 4
+    assert {6 * FS, FRAMES} <= set(lengths), set(lengths)  # the encoder's 80 ms blocks, the decoder's ticks
     for eager, graphed in zip(*heard, strict=True):
         assert len(eager) >= 100
         np.testing.assert_array_equal(graphed, eager)
