@@ -91,7 +91,8 @@ def _on_graphs(engine: Engine, tok: EncodecTokenizer, stack: list[str], counts: 
     max_pages = -(-cfg.max_position_embeddings // engine.cfg.page_size)  # as `ModelRunner`
     runner.graphs = DecodeGraphs(model, engine.pool.k, engine.pool.v, engine.cfg.page_size, n, max_pages, False)
     runner.sampler = SamplingGraphs(n, cfg.num_codebooks, cfg.vocab_size, cfg.pad_id, "cpu", capture=False)
-    audio.encoder.graphs, audio.decoder.graphs = codec_graphs(tok, n, FRAMES_PER_TICK, capture=False)
+    for side, graphs in zip((audio.encoder, audio.decoder), codec_graphs(tok, n, FRAMES_PER_TICK, False), strict=True):
+        side.use_graphs(graphs)
     runner.graphs._step = _replayed(runner.graphs._step, stack, counts)
     runner.sampler._sample = _replayed(runner.sampler._sample, stack, counts)
     sampling_graphs.stream_keys = _labelled(sampling.stream_keys, HOST, stack)

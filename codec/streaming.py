@@ -51,10 +51,10 @@ def scatter_rows(dst: State, idx: torch.Tensor, src: State) -> None:
         scatter_rows(d, idx, s)
 
 
-def _empty_like_rows(state: State, rows: int) -> State:
+def empty_like_rows(state: State, rows: int) -> State:
     if isinstance(state, torch.Tensor):
         return state.new_zeros((rows, *state.shape[1:]))
-    return tuple(_empty_like_rows(s, rows) for s in state)
+    return tuple(empty_like_rows(s, rows) for s in state)
 
 
 class _RowStates:
@@ -70,7 +70,7 @@ class _RowStates:
 
     def put(self, rows: list[int], new: State, device: torch.device) -> None:
         if self.state is None:
-            self.state = _empty_like_rows(new, self.batch_size)
+            self.state = empty_like_rows(new, self.batch_size)
         scatter_rows(self.state, torch.tensor(rows, device=device), new)
 
 
@@ -106,12 +106,19 @@ class StreamingEncoder:
         self._pending = [np.zeros(0, np.float32) for _ in range(batch_size)]  # on the host: a row's work is Python
         self._started = [False] * batch_size
         self._states = _RowStates(batch_size)
-        self.graphs = None  # on a GPU, the engine's `CodecGraphs` for a started row's usual push
+        self.graphs = None  # on a GPU, the engine's `CodecGraphs` for a started row's usual push (`use_graphs`)
 
     def reset(self, row: int) -> None:
         _check_rows([row], 1, self.batch_size)
         self._pending[row] = self._pending[row][:0]
         self._started[row] = False
+
+    def use_graphs(self, graphs) -> None:
+        """Steady pushes through `graphs` (`s2s.codec_graphs.CodecGraphs`), whose buffer holds the rows' state from
+        now on (before any push)."""
+        if self._states.state is not None:
+            raise ValueError("a codec's graphs come before its first push")
+        self.graphs, self._states.state = graphs, graphs.use_rows(self.batch_size)
 
     @torch.inference_mode()
     def push(
@@ -145,11 +152,11 @@ class StreamingEncoder:
             n = ready * fs
             x = torch.from_numpy(np.stack([self._pending[r][:n] for r in group])[:, None, :]).to(self.tok.device)
             if started and self.graphs is not None and self.graphs.fits(x):
-                codes, new_state = self.graphs.run(x, self._states.get(group, x.device))
+                codes = self.graphs.run(x, group)  # (the rows' state read and written in the graph)
             else:
                 latent, new_state = self.tok.encoder_net(x, self._states.get(group, x.device) if started else None)
+                self._states.put(group, new_state, x.device)
                 codes = self.tok.quantize(latent)
-            self._states.put(group, new_state, x.device)
             codes = codes.cpu().numpy()
             for i, r in enumerate(group):
                 out[r] = torch.from_numpy(codes[i])
@@ -177,7 +184,7 @@ class StreamingDecoder:
         self._history: list[torch.Tensor] = [self._no_codes() for _ in range(batch_size)]
         self._frames = [0] * batch_size
         self._states = _RowStates(batch_size)
-        self.graphs = None  # on a GPU, the engine's `CodecGraphs` for a steady row's usual push
+        self.graphs = None  # on a GPU, the engine's `CodecGraphs` for a steady row's usual push (`use_graphs`)
 
     def _no_codes(self) -> torch.Tensor:
         return torch.zeros(self.tok.num_codebooks, 0, dtype=torch.long, device=self.tok.device)
@@ -186,6 +193,13 @@ class StreamingDecoder:
         _check_rows([row], 1, self.batch_size)
         self._history[row] = self._no_codes()
         self._frames[row] = 0
+
+    def use_graphs(self, graphs) -> None:
+        """Steady pushes through `graphs` (`s2s.codec_graphs.CodecGraphs`), whose buffer holds the rows' state from
+        now on (before any push)."""
+        if self._states.state is not None:
+            raise ValueError("a codec's graphs come before its first push")
+        self.graphs, self._states.state = graphs, graphs.use_rows(self.batch_size)
 
     @torch.inference_mode()
     def push(self, codes: torch.Tensor, rows: Sequence[int] | None = None) -> torch.Tensor:
@@ -205,12 +219,12 @@ class StreamingDecoder:
         steady = [i for i, r in enumerate(rows) if self._frames[r] >= self.warmup_frames]
         if steady:
             group = [rows[i] for i in steady]
-            state, x = self._states.get(group, codes.device), codes[steady]
+            x = codes[steady]
             if self.graphs is not None and self.graphs.fits(x):
-                audio, new_state = self.graphs.run(x, state)
+                audio = self.graphs.run(x, group)  # (the rows' state read and written in the graph)
             else:
-                audio, new_state = self.tok.decoder_net(self.tok.dequantize(x), state)
-            self._states.put(group, new_state, codes.device)
+                audio, new_state = self.tok.decoder_net(self.tok.dequantize(x), self._states.get(group, codes.device))
+                self._states.put(group, new_state, codes.device)
             out[steady] = audio[:, 0]
 
         by_length: dict[int, list[int]] = defaultdict(list)

@@ -44,7 +44,9 @@ class AudioIO:
         self.encoder = tokenizer.streaming_encoder(rows, batch_invariant) if tokenizer else None
         self.decoder = tokenizer.streaming_decoder(rows, batch_invariant) if tokenizer else None
         if tokenizer is not None and graph_frames and tokenizer.device.type == "cuda" and not batch_invariant:
-            self.encoder.graphs, self.decoder.graphs = codec_graphs(tokenizer, rows, graph_frames)
+            encoder, decoder = codec_graphs(tokenizer, rows, graph_frames)
+            self.encoder.use_graphs(encoder)
+            self.decoder.use_graphs(decoder)
         self.user_frames, self.model_frames = user_frames, model_frames
         self.codebook_size, self.jitter_buffer_s, self.stats, self.clock = codebook_size, jitter_buffer_s, stats, clock
         if tokenizer is not None:

@@ -3,47 +3,32 @@ from its carried state) replayed from CUDA graphs, one per batch bucket and push
 
 The codec's nets are dozens of small convolutions and an LSTM: on a GPU, launches at every tick as the model's were
 (`s2s/cuda_graphs.py`). A steady push of a given length has fixed shapes whatever the rows, so, as for the decode
-step, each bucket size and length is captured once over static buffers (the input, at the longest length, and every
-tensor of the state) in one memory pool; a push copies its rows' input and state in, replays, and takes the output
-and the new state from the graph's buffers. Rows past the real batch are padding: the codec's rows never mix, and
-their output is dropped. A push of another length, or a row still in its warm-up (`codec/streaming.py`), runs
-eagerly. The decoder's pushes are the engine's own (a tick's frames); the encoder's are the clients' (Moshi's client
-sends 80 ms, 6 frames), so it is captured for every length up to twice a tick's.
+step, each bucket size and length is captured once over static buffers (the input, at the longest length, and the
+rows' indices) in one memory pool. The rows' carried state lives in this object's buffer (the streaming codec's, once
+it `use_graphs`), which the graph gathers from and scatters back to by the indices: a push is two copies in and a
+replay. Rows past the real batch are padding, which read and write a spare row of the state; the codec's rows never
+mix, and their output is dropped. A push of another length, or a row still in its warm-up (`codec/streaming.py`),
+runs eagerly. The decoder's pushes are the engine's own (a tick's frames); the encoder's are the clients' (Moshi's
+client sends 80 ms, 6 frames), so it is captured for every length up to twice a tick's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from codec.stream_layers import State
+from codec.streaming import empty_like_rows, gather_rows, scatter_rows
 from codec.tokenizer import EncodecTokenizer
 from s2s.cuda_graphs import bucket_sizes
 
 Step = Callable[[torch.Tensor, State], tuple[torch.Tensor, State]]
 
 
-def _rows(state: State, n: int) -> State:
-    return state[:n] if isinstance(state, torch.Tensor) else tuple(_rows(s, n) for s in state)
-
-
-def _copy_rows(dst: State, src: State) -> None:
-    if isinstance(dst, torch.Tensor):
-        dst[: len(src)].copy_(src)
-        return
-    for d, s in zip(dst, src, strict=True):
-        _copy_rows(d, s)
-
-
-def _zeros(state: State, rows: int) -> State:
-    if isinstance(state, torch.Tensor):
-        return state.new_zeros((rows, *state.shape[1:]))
-    return tuple(_zeros(s, rows) for s in state)
-
-
 class CodecGraphs:
-    """`step(x, state) -> (y, new_state)` over up to `max_batch` rows of input `[R, ..., L]` for each length L of
+    """`step(x, state) -> (y, new_state)` over up to `rows` rows of input `[R, ..., L]` for each length L of
     `lengths`, each row's input shaped as `one_row`'s (`[1, ..., any]`) and its state as `one_state`'s; with
     `capture=False` the same static buffers and padding run eagerly (the CPU path of the tests: everything here but
     the capture itself)."""
@@ -54,23 +39,24 @@ class CodecGraphs:
         one_row: torch.Tensor,
         lengths: list[int],
         one_state: State,
-        max_batch: int,
+        rows: int,
         capture: bool = True,
     ):
         if capture and one_row.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, not {one_row.device}")
-        self.step, self.capture, self.lengths = step, capture, sorted(lengths)
-        self.sizes = bucket_sizes(max_batch)
+        self.step, self.capture, self.lengths, self.rows = step, capture, sorted(lengths), rows
+        self.sizes = bucket_sizes(rows)
         self.input = one_row.new_zeros((self.sizes[-1], *one_row.shape[1:-1], self.lengths[-1]))
-        self.state = _zeros(one_state, self.sizes[-1])
+        self.row_state = empty_like_rows(one_state, rows + 1)  # each row's carried state, then the spare row
+        self.index = torch.full((self.sizes[-1],), rows, dtype=torch.long, device=one_row.device)  # (all spare)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, int], tuple[torch.Tensor, State]] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         if capture:
             self._capture_all()
 
     @classmethod
-    def encoder(cls, tok: EncodecTokenizer, max_batch: int, frames: list[int], capture: bool = True) -> CodecGraphs:
-        """PCM `[R, 1, n x 320]` and the encoder's state to codes `[R, K, n]`, for each n of `frames`."""
+    def encoder(cls, tok: EncodecTokenizer, rows: int, frames: list[int], capture: bool = True) -> CodecGraphs:
+        """PCM `[R, 1, n x 320]` to codes `[R, K, n]`, for each n of `frames`."""
 
         def step(pcm: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
             latent, new_state = tok.encoder_net(pcm, state)
@@ -79,11 +65,11 @@ class CodecGraphs:
         with torch.inference_mode():
             pcm = torch.zeros(1, 1, tok.encoder_warmup_frames * tok.frame_size, device=tok.device)
             _, state = tok.encoder_net(pcm, None)
-        return cls(step, pcm, [n * tok.frame_size for n in frames], state, max_batch, capture)
+        return cls(step, pcm, [n * tok.frame_size for n in frames], state, rows, capture)
 
     @classmethod
-    def decoder(cls, tok: EncodecTokenizer, max_batch: int, frames: list[int], capture: bool = True) -> CodecGraphs:
-        """Codes `[R, K, n]` and the decoder's state to PCM `[R, 1, n x 320]`, for each n of `frames`."""
+    def decoder(cls, tok: EncodecTokenizer, rows: int, frames: list[int], capture: bool = True) -> CodecGraphs:
+        """Codes `[R, K, n]` to PCM `[R, 1, n x 320]`, for each n of `frames`."""
 
         def step(codes: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
             return tok.decoder_net(tok.dequantize(codes), state)
@@ -91,14 +77,24 @@ class CodecGraphs:
         with torch.inference_mode():
             codes = torch.zeros(1, tok.num_codebooks, tok.decoder_warmup_frames, dtype=torch.long, device=tok.device)
             _, state = step(codes, None)
-        return cls(step, codes, frames, state, max_batch, capture)
+        return cls(step, codes, frames, state, rows, capture)
 
-    def _step(self, length: int, size: int) -> tuple[torch.Tensor, State]:
-        return self.step(self.input[:size, ..., :length], _rows(self.state, size))
+    def use_rows(self, batch_size: int) -> State:
+        """The rows' state buffer, for a streaming codec of `batch_size` rows to keep its state in."""
+        if batch_size != self.rows:
+            raise ValueError(f"graphs for {self.rows} rows, not {batch_size}")
+        return self.row_state
+
+    def _step(self, length: int, size: int) -> torch.Tensor:
+        index = self.index[:size]
+        y, new_state = self.step(self.input[:size, ..., :length], gather_rows(self.row_state, index))
+        scatter_rows(self.row_state, index, new_state)
+        return y
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        """Largest bucket first, all in one memory pool, after a warm-up on a side stream (as `DecodeGraphs`)."""
+        """Largest first, all in one memory pool, after a warm-up on a side stream (as `DecodeGraphs`); every index
+        is the spare row's meanwhile."""
         device, pool = self.input.device, None
         with torch.cuda.device(device):
             side = torch.cuda.Stream(device)
@@ -120,22 +116,23 @@ class CodecGraphs:
     def fits(self, x: torch.Tensor) -> bool:
         return len(x) <= self.sizes[-1] and x.shape[1:-1] == self.input.shape[1:-1] and x.shape[-1] in self.lengths
 
-    def run(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
-        """`step(x, state)` for `len(x)` rows. The output and the new state are views of the graph's buffers, which
-        the next run overwrites: the caller copies them out (the streaming codec scatters the state into its rows)."""
-        if not self.fits(x):
+    def run(self, x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """`step` for `rows` (distinct, each below `self.rows`), their input `x`, from their state in `row_state`,
+        which it then holds their new state. The output is a view of the graph's buffer, which the next run
+        overwrites: the caller copies it out."""
+        if not self.fits(x) or len(rows) != len(x):
             shape = [*self.input.shape[1:-1], self.lengths]
-            raise ValueError(f"{list(x.shape)} is not up to {self.sizes[-1]} rows of {shape}")
+            raise ValueError(f"{list(x.shape)} for {len(rows)} rows is not up to {self.sizes[-1]} rows of {shape}")
         n, length = len(x), x.shape[-1]
         size = next(s for s in self.sizes if s >= n)
+        index = np.full(size, self.rows, dtype=np.int64)  # padding: the spare row
+        index[:n] = rows
         self.input[:n, ..., :length].copy_(x)
-        _copy_rows(self.state, state)
+        self.index[:size].copy_(torch.from_numpy(index))
         if self.capture:
             self.graphs[length, size].replay()
-            y, new_state = self.outputs[length, size]
-        else:
-            y, new_state = self._step(length, size)
-        return y[:n], _rows(new_state, n)
+            return self.outputs[length, size][:n]
+        return self._step(length, size)[:n]
 
 
 def codec_graphs(

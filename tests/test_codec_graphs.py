@@ -29,11 +29,11 @@ def noise(rows: int, samples: int, seed: int) -> np.ndarray:
 
 
 def counted(run, calls: list[int], lengths: list[int] | None = None):
-    def wrapped(x, state):
+    def wrapped(x, rows):
         calls.append(len(x))
         if lengths is not None:
             lengths.append(x.shape[-1])
-        return run(x, state)
+        return run(x, rows)
 
     return wrapped
 
@@ -49,7 +49,7 @@ def test_the_encoder_on_graphs_gives_the_eager_encoder_s_codes(tok) -> None:
     for graphed in (False, True):
         enc = tok.streaming_encoder(ROWS)
         if graphed:
-            enc.graphs = graphs
+            enc.use_graphs(graphs)
         got: list[list[torch.Tensor]] = [[] for _ in range(ROWS)]
         pos = [0] * ROWS
         for tick in range(12):
@@ -77,7 +77,7 @@ def test_the_decoder_on_graphs_gives_the_eager_decoder_s_audio(tok) -> None:
     for graphed in (False, True):
         dec = tok.streaming_decoder(ROWS)
         if graphed:
-            dec.graphs = graphs
+            dec.use_graphs(graphs)
         got: list[list[torch.Tensor]] = [[] for _ in range(ROWS)]
         pos = [0] * ROWS
         for tick in range(14):
@@ -96,11 +96,18 @@ def test_the_decoder_on_graphs_gives_the_eager_decoder_s_audio(tok) -> None:
 
 def test_pushes_that_do_not_fit_are_refused(tok) -> None:
     graphs = CodecGraphs.decoder(tok, 2, [FRAMES], capture=CAPTURE)
-    state = graphs.state
     with pytest.raises(ValueError, match="rows of"):
-        graphs.run(torch.zeros(3, tok.num_codebooks, FRAMES, dtype=torch.long, device=DEVICE), state)
+        graphs.run(torch.zeros(3, tok.num_codebooks, FRAMES, dtype=torch.long, device=DEVICE), [0, 1, 2])
     with pytest.raises(ValueError, match="rows of"):
-        graphs.run(torch.zeros(1, tok.num_codebooks, FRAMES + 1, dtype=torch.long, device=DEVICE), state)
+        graphs.run(torch.zeros(1, tok.num_codebooks, FRAMES + 1, dtype=torch.long, device=DEVICE), [0])
+    with pytest.raises(ValueError, match="rows of"):
+        graphs.run(torch.zeros(2, tok.num_codebooks, FRAMES, dtype=torch.long, device=DEVICE), [0])
+    with pytest.raises(ValueError, match="not 3"):
+        tok.streaming_decoder(3).use_graphs(graphs)
+    started = tok.streaming_decoder(2)
+    started.push(torch.zeros(1, tok.num_codebooks, FRAMES, dtype=torch.long, device=DEVICE), [0])
+    with pytest.raises(ValueError, match="before its first push"):
+        started.use_graphs(graphs)
     if DEVICE == "cpu":
         with pytest.raises(ValueError, match="CUDA device"):
             CodecGraphs.decoder(tok, 2, [FRAMES])
@@ -118,9 +125,10 @@ def test_an_engine_with_its_codec_on_graphs_speaks_what_the_eager_engine_speaks(
         cfg = EngineConfig(num_pages=200, calibration_ticks=0, max_conversations=4, frames_per_tick=FRAMES)
         engine = Engine(model, tok, cfg)
         if graphed:
-            engine.audio.encoder.graphs, engine.audio.decoder.graphs = codec_graphs(tok, 4, FRAMES, CAPTURE)
-            for side in (engine.audio.encoder, engine.audio.decoder):
-                side.graphs.run = counted(side.graphs.run, calls, lengths)
+            sides = (engine.audio.encoder, engine.audio.decoder)
+            for side, graphs in zip(sides, codec_graphs(tok, 4, FRAMES, CAPTURE), strict=True):
+                graphs.run = counted(graphs.run, calls, lengths)
+                side.use_graphs(graphs)
         cids = [engine.open("duplex", sampling=SamplingParams(temperature=0.8, seed=i)) for i in range(3)]
         for tick in range(pcm.shape[1] // (FRAMES * FS)):
             if tick % 3 < 2:
