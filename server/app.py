@@ -273,4 +273,5 @@ class ChatServer:
 
     async def _connect(self, ws: ServerConnection) -> None:
         endpoint = self.endpoints[urllib.parse.urlsplit(ws.request.path).path]
-        await serve_connection(ws, endpoint, self.options.limits, self.clients, self.options.replica_id)
+        limits, replica = self.options.limits, self.options.replica_id
+        await serve_connection(ws, endpoint, limits, self.clients, replica, self.turns.dropped)

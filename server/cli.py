@@ -270,6 +270,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         help="close a connection whose client sends no audio this many seconds (a reply playing to it is not idle)",
     )
     p.add_argument(
+        "--max-unread-s",
+        type=float,
+        default=20.0,
+        help="tell and close a client that leaves this many seconds of replies unread (each one's memory bound)",
+    )
+    p.add_argument(
         "--max-conversations-per-client",
         type=int,
         default=8,
@@ -311,7 +317,9 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
     try:
         vad.check()
         limits = Limits(
-            idle_timeout_s=args.idle_timeout, max_conversations_per_client=args.max_conversations_per_client
+            idle_timeout_s=args.idle_timeout,
+            max_unread_s=args.max_unread_s,
+            max_conversations_per_client=args.max_conversations_per_client,
         )
         origins, handshake = args.allowed_origin or [], args.handshake_timeout
         return ServerOptions(

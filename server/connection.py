@@ -1,7 +1,7 @@
 """The connection core: one websocket from request to close, whatever its protocol and whatever answers it.
 
-`serve_connection(ws, endpoint, limits, clients, replica)`, top to bottom (a server refuses what it can before the
-upgrade: `ChatServer`'s `busy`):
+`serve_connection(ws, endpoint, limits, clients, replica, dropped)`, top to bottom (a server refuses what it can
+before the upgrade: `ChatServer`'s `busy`):
 
 1. `endpoint.accept(query, headers)` reads the request: the connection's `Wire` (the protocol's framing) and how to
    open its `Session`. A bad request is told (`endpoint.error`) and closed with 1008.
@@ -139,11 +139,14 @@ class Limits:
     realtime_burst_s: float = 2.0  # a client may run this far ahead of real time (audio and bytes) before throttling
     max_messages_per_s: float = 100.0  # beyond this (after a burst of as many), reading pauses: clients send ~12/s
     idle_timeout_s: float = 60.0  # a connection whose client sends no audio this long is closed (a reply plays on)
+    max_unread_s: float = 20.0  # reply audio a client may leave unread before it is told and closed (its memory)
     max_conversations_per_client: int = 8  # open at once from one IP address; 0: no limit
 
     def __post_init__(self) -> None:
         if not self.idle_timeout_s > 0:
             raise ValueError(f"idle timeout must be over 0 s, got {self.idle_timeout_s}")
+        if not self.max_unread_s > 0:
+            raise ValueError(f"unread audio must be allowed over 0 s, got {self.max_unread_s}")
         if (n := self.max_conversations_per_client) < 0:
             raise ValueError(f"conversations per client must be 0 (no limit) or more, got {n}")
 
@@ -172,8 +175,9 @@ class Playback:
 class Connection:
     """One client's socket as a session sees it: messages out in the wire's framing, and what the client has heard."""
 
-    def __init__(self, ws: ServerConnection, wire: Wire):
-        self.ws, self.wire, self.playback = ws, wire, Playback()
+    def __init__(self, ws: ServerConnection, wire: Wire, limits: Limits, dropped: Callable[[str], None]):
+        """`dropped(code)`: the server closed it (`drop`), and why (`idle`, `slow_reader`)."""
+        self.ws, self.wire, self.limits, self.dropped, self.playback = ws, wire, limits, dropped, Playback()
         self.heard_until = time.monotonic()  # when the audio the client sent will have played (from open: none yet)
 
     def heard(self, pcm: np.ndarray) -> None:
@@ -206,6 +210,7 @@ class Connection:
     async def drop(self, reason: str, code: str) -> None:
         """Tell the client why, and close with 1008. A client that reads nothing takes neither the error nor the
         close frame (each waits for room on its socket): after the close timeout, its connection is cut."""
+        self.dropped(code)
         with contextlib.suppress(TimeoutError, ConnectionClosed):
             async with asyncio.timeout(self.ws.close_timeout):
                 await self.send_error(reason, code)
@@ -275,7 +280,12 @@ class Pace:
 
 
 async def serve_connection(
-    ws: ServerConnection, endpoint: Endpoint, limits: Limits, clients: PerClient, replica: str | None
+    ws: ServerConnection,
+    endpoint: Endpoint,
+    limits: Limits,
+    clients: PerClient,
+    replica: str | None,
+    dropped: Callable[[str], None],
 ) -> None:
     query = {k: v[0] for k, v in urllib.parse.parse_qs(urllib.parse.urlsplit(ws.request.path).query).items()}
     try:
@@ -284,7 +294,7 @@ async def serve_connection(
         await ws.send(endpoint.error(str(e)))
         await ws.close(1008, "bad request")
         return
-    conn = Connection(ws, wire)
+    conn = Connection(ws, wire, limits, dropped)
     if (hello := wire.handshake()) is not None:
         await ws.send(hello)
     with contextlib.ExitStack() as held:

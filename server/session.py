@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from websockets.exceptions import ConnectionClosed
 
+from codec.pcm import FRAME_SIZE, SAMPLE_RATE
 from s2s import AudioEvent, MetaEvent, SamplingParams
 from server.connection import Connection
 from server.turn_metrics import TurnMetrics
@@ -62,8 +63,9 @@ async def events(q: EventQueue, conn: Connection) -> AsyncIterator[AudioEvent | 
     """A conversation's events until it is closed, read for `conn`'s client. The engine thread wakes the reader
     through `on_put` (`LoopWaker`): no polling, and no thread per read. One reader at a time.
 
-    When the queue overflows (the client reads slower than the conversation speaks), the client is told and closed
-    at once, even while the reader waits on a send to it; the connection's end then closes the conversation."""
+    When the queue overflows (more than `Limits.max_unread_s` of replies wait: the client reads slower than the
+    conversation speaks), the client is told and closed at once, even while the reader waits on a send to it; the
+    connection's end then closes the conversation."""
     loop, ready = asyncio.get_running_loop(), asyncio.Event()
     waker = _wakers.setdefault(loop, LoopWaker(loop))
 
@@ -76,6 +78,7 @@ async def events(q: EventQueue, conn: Connection) -> AsyncIterator[AudioEvent | 
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(drop)
 
+    q.max_frames = round(conn.limits.max_unread_s * SAMPLE_RATE / FRAME_SIZE)
     q.on_put, q.on_overflow = functools.partial(waker.set, ready), overflowed
     while True:
         try:

@@ -1,4 +1,5 @@
-"""Per-turn stage times and conversations opened, by protocol, for `/metrics`: the same figures for each protocol."""
+"""Per-turn stage times and conversations opened, by protocol, and connections the server closed, by why, for
+`/metrics`: the same figures for each protocol."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ class TurnMetrics:
             "s2s_turn_stage_seconds", "per-turn stage times", ["protocol", "stage"], registry=registry, buckets=buckets
         )
         self.connections = Counter("s2s_connections", "conversations opened", ["protocol"], registry=registry)
+        self.closed = Counter(
+            "s2s_connections_closed", "connections the server closed: idle, slow_reader", ["reason"], registry=registry
+        )
+
+    def dropped(self, reason: str) -> None:
+        self.closed.labels(reason).inc()
 
     def opened(self, protocol: str) -> None:
         self.connections.labels(protocol).inc()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,13 +14,15 @@ from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed
 
-from s2s import MetaEvent, Refused
+from s2s import AudioEvent, MetaEvent, Refused
 from s2s.engine import EventQueue
 from server import protocol
 from server.connection import Connection, Limits, PerClient, Playback, serve_connection
 from server.moshi import MoshiWire
 from server.protocol import Control, Kind, ProtocolError
 from server.session import events
+
+NO_CLIENT = SimpleNamespace(limits=Limits())  # what `events` reads of a connection, where no client reads
 
 
 class Clock:
@@ -95,7 +98,9 @@ class StandIn:
 
 async def with_core(endpoint: StandIn, client) -> None:
     async with serve(
-        lambda ws: serve_connection(ws, endpoint, Limits(), PerClient(0), "replica-a"), "127.0.0.1", 0
+        lambda ws: serve_connection(ws, endpoint, Limits(), PerClient(0), "replica-a", lambda reason: None),
+        "127.0.0.1",
+        0,
     ) as server:
         await client(f"ws://127.0.0.1:{server.sockets[0].getsockname()[1]}")
 
@@ -172,9 +177,34 @@ def test_events_wake_the_reader_from_the_engine_thread_without_a_thread_per_read
         return got
 
     async def collect() -> list:
-        return [event async for event in events(q, conn=None)]  # no overflow here: no client to close
+        return [event async for event in events(q, NO_CLIENT)]  # no overflow here: no client to close
 
     assert asyncio.run(main()) == sent
+
+
+def test_a_conversation_s_unread_replies_are_bounded_by_the_connection_s_limit() -> None:
+    """`Limits.max_unread_s` is the queue's bound while a client reads it: 1.5 s of replies unread (112 frames) pass
+    under 2 s, and past them the client is dropped as a slow reader."""
+    dropped: list[str] = []
+
+    async def drop(reason: str, code: str) -> None:
+        dropped.append(code)
+
+    async def main() -> None:
+        q = EventQueue()
+        reader = asyncio.ensure_future(anext(events(q, SimpleNamespace(limits=Limits(max_unread_s=2.0), drop=drop))))
+        await asyncio.sleep(0)  # the reader waits on the empty queue: the bound is set
+        for _ in range(112):  # at once, between two runs of the loop: nothing is read meanwhile
+            q.put(AudioEvent("c", 0, 0, np.zeros(320, np.float32)))
+        assert not q.overflowed and q.frames == 112
+        for _ in range(40):
+            q.put(AudioEvent("c", 0, 0, np.zeros(320, np.float32)))
+        assert q.overflowed
+        reader.cancel()
+        await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert dropped == ["slow_reader"]
 
 
 def test_a_tick_s_events_for_many_readers_wake_the_loop_once_not_once_each() -> None:
@@ -209,7 +239,7 @@ def test_a_tick_s_events_for_many_readers_wake_the_loop_once_not_once_each() -> 
         return await asyncio.wait_for(asyncio.gather(*readers), 10)
 
     async def collect(q: EventQueue) -> list:
-        return [event.data["tick"] async for event in events(q, conn=None)]
+        return [event.data["tick"] async for event in events(q, NO_CLIENT)]
 
     assert asyncio.run(main()) == [[0, 1, 2]] * len(queues)
     assert wakes <= 3 + len(queues)  # one per tick, and at most one each for the closing puts
@@ -225,7 +255,7 @@ def test_a_closed_loop_is_not_kept_alive_by_its_waker() -> None:
         q = EventQueue()
         q.put(MetaEvent("s0", 0, {}))
         q.put(None)
-        return [event async for event in events(q, conn=None)]
+        return [event async for event in events(q, NO_CLIENT)]
 
     gc.collect()
     before = len(_wakers)
