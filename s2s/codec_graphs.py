@@ -22,7 +22,7 @@ import torch
 from codec.stream_layers import State
 from codec.streaming import empty_like_rows, gather_rows, scatter_rows
 from codec.tokenizer import EncodecTokenizer
-from s2s.cuda_graphs import bucket_sizes
+from s2s.cuda_graphs import bucket_sizes, capture
 
 Step = Callable[[torch.Tensor, State], tuple[torch.Tensor, State]]
 
@@ -93,25 +93,9 @@ class CodecGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        """Largest first, all in one memory pool, after a warm-up on a side stream (as `DecodeGraphs`); every index
-        is the spare row's meanwhile."""
-        device, pool = self.input.device, None
-        with torch.cuda.device(device):
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for length in self.lengths:
-                    for size in self.sizes:
-                        self._step(length, size)
-            torch.cuda.current_stream(device).wait_stream(side)
-            for length in reversed(self.lengths):
-                for size in reversed(self.sizes):
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self.outputs[length, size] = self._step(length, size)
-                    pool = graph.pool()
-                    self.graphs[length, size] = graph
-            torch.cuda.synchronize(device)
+        """Every index is the spare row's meanwhile."""
+        keys = [(length, size) for length in self.lengths[::-1] for size in self.sizes[::-1]]
+        self.graphs, self.outputs = capture(self.input.device, keys, lambda key: self._step(*key))
 
     def fits(self, x: torch.Tensor) -> bool:
         return len(x) <= self.sizes[-1] and x.shape[1:-1] == self.input.shape[1:-1] and x.shape[-1] in self.lengths

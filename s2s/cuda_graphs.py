@@ -23,6 +23,29 @@ from s2s.batch import PagedBatch
 from s2s.model import S2SModel
 
 
+def capture(device: torch.device, keys: list, run: Callable) -> tuple[dict, dict]:
+    """`run(key)` captured once for each key, in the order given, all in one memory pool (give the largest first:
+    later, smaller graphs reuse its blocks), after a warm-up of each on a side stream, which builds the Triton kernels
+    and the allocator's blocks. Returns each key's graph and the output its replays write. On `device`, as the
+    current one: Triton launches on the current device."""
+    graphs, outputs, pool = {}, {}, None
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for key in keys:
+                run(key)
+        torch.cuda.current_stream(device).wait_stream(side)
+        for key in keys:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                outputs[key] = run(key)
+            pool = graph.pool()
+            graphs[key] = graph
+        torch.cuda.synchronize(device)
+    return graphs, outputs
+
+
 def bucket_sizes(max_batch: int) -> list[int]:
     """1, 2, 4, 8, then every 8 up to `max_batch` (vLLM's list, cut at the batch this engine can hold)."""
     sizes = [b for b in (1, 2, 4) if b < max_batch] + list(range(8, max_batch, 8))
@@ -87,23 +110,7 @@ class DecodeGraphs:
 
     @torch.no_grad()
     def _capture_all(self) -> None:
-        """Largest bucket first, all in one memory pool (later, smaller graphs reuse the first one's blocks)."""
-        pool = None
-        device = self.tokens.device
-        with torch.cuda.device(device):  # the pool's GPU as current: Triton launches on the current device
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):  # warm-up: builds the Triton kernels and the allocator's blocks
-                for size in self.sizes:
-                    self._step(size)
-            torch.cuda.current_stream(device).wait_stream(side)
-            for size in reversed(self.sizes):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.logits[size] = self._step(size)
-                pool = graph.pool()
-                self.graphs[size] = graph
-            torch.cuda.synchronize(device)
+        self.graphs, self.logits = capture(self.tokens.device, self.sizes[::-1], self._step)
 
     def fits(self, num_seqs: int, table: np.ndarray) -> bool:
         return num_seqs <= self.sizes[-1] and table.shape[1] <= self.max_pages

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from s2s.cuda_graphs import bucket_sizes
+from s2s.cuda_graphs import bucket_sizes, capture
 from s2s.sampling import RandomStream, SamplingParams, sample_static, stream_keys
 
 
@@ -58,22 +58,7 @@ class SamplingGraphs:
 
     @torch.no_grad()
     def _capture_all(self) -> None:
-        """Largest bucket first, all in one memory pool, after a warm-up on a side stream (as `DecodeGraphs`)."""
-        device, pool = self.logits.device, None
-        with torch.cuda.device(device):
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for size in self.sizes:
-                    self._sample(size)
-            torch.cuda.current_stream(device).wait_stream(side)
-            for size in reversed(self.sizes):
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.codes[size] = self._sample(size)
-                pool = graph.pool()
-                self.graphs[size] = graph
-            torch.cuda.synchronize(device)
+        self.graphs, self.codes = capture(self.logits.device, self.sizes[::-1], self._sample)
 
     def fits(self, num_rows: int) -> bool:
         return num_rows <= self.sizes[-1]
