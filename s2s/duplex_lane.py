@@ -284,9 +284,10 @@ class DuplexLane:
         """The round's sampled codes `[n, K]` fill what each row's next step wanted; `logits` `[n, K, V]`.
 
         Codes in a tensor (on the device) are written on the host only when next read (`_write_pending`: by the next
-        round's `accept`, or a give-back), and the next round takes them on the device (`LaneRound.fill`): the host
-        then waits on a round's codes only once the device has the next round, which it computes meanwhile, as
-        SGLang's overlap scheduler and vLLM's async scheduling overlap a step's host work with the last step."""
+        round's `accept`, or a give-back), and the next round takes them on the device (`LaneRound.fill`): no round
+        waits for the host to read the last one's codes, the first step toward SGLang's overlap scheduler and vLLM's
+        async scheduling. (On CUDA the copies in are still blocking, and the read comes after the next round on the
+        stream: pinned, non-blocking copies with events are what would let the host run a round ahead.)"""
         self._write_pending()
         at = self._at(r.rows)
         if isinstance(codes, torch.Tensor):

@@ -86,7 +86,13 @@ def _uniform(keys: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
     codebook, id), so it belongs to its id whatever else is drawn."""
     codebook = torch.arange(ids.shape[1], device=ids.device)[None, :, None]
     x = (keys[:, None, None] + (codebook * vocab + ids) * 0x9E3779B9) & MASK32
-    return ((_fmix32(_fmix32(x)) >> 8).to(torch.float32) + 0.5) * 2.0**-24
+    return _unit(_fmix32(_fmix32(x)))
+
+
+def _unit(bits: torch.Tensor) -> torch.Tensor:
+    """32 hashed bits to a number in (0, 1): the top 24, centred. The largest rounds up to 1.0 in float32, whose
+    Gumbel noise is infinite (a candidate cut by top-k then scores NaN, which `argmax` picks): it is kept below 1."""
+    return (((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24).clamp_max(1 - 2.0**-24)
 
 
 def sample(
@@ -152,7 +158,8 @@ def sample_static(
 ) -> torch.Tensor:
     """`sample` with each row's settings as tensors `[S]` (`keys` from `stream_keys`; `top_k` 0: no cut), as one
     fixed sequence of ops whatever the settings, so a CUDA graph can hold it: every row takes the sort of the whole
-    vocabulary (`_top_k_top_p`, which with top_p 1 draws what `_top_k` draws). It chooses what `sample` does."""
+    vocabulary (`_top_k_top_p`, which with top_p 1 draws what `_top_k` draws). It chooses what `sample` does, but
+    where logits tie at a row's top-k cut (bf16 logits can): `sort` and `topk` may keep different ones of the tied."""
     vocab = logits.shape[-1]
     logits = logits.float()
     if banned_id is not None:

@@ -4,7 +4,8 @@
 launches a round, as many as the decode step's graph saves. Here every round runs `sample_static`, one fixed
 sequence of ops over each row's settings as tensors, captured once per bucket size (`bucket_sizes`, as the decode
 graphs) over static buffers: a round copies in its logits, keys and settings and replays. Rows past the real batch
-are padding; their codes are dropped. It chooses what `sample` chooses, stream for stream.
+are padding; their codes are dropped. It chooses what `sample` chooses, stream for stream, but where logits tie at a
+row's top-k cut (`sample_static`).
 """
 
 from __future__ import annotations

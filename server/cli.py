@@ -273,7 +273,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         "--max-unread-s",
         type=float,
         default=20.0,
-        help="tell and close a client that leaves this many seconds of replies unread (each one's memory bound)",
+        help="tell and close a client that leaves this many seconds of replies unread (each one's memory bound; "
+        "keep it above the longest turn reply, which is made faster than real time)",
     )
     p.add_argument(
         "--max-conversations-per-client",

@@ -145,8 +145,8 @@ class Limits:
     def __post_init__(self) -> None:
         if not self.idle_timeout_s > 0:
             raise ValueError(f"idle timeout must be over 0 s, got {self.idle_timeout_s}")
-        if not self.max_unread_s > 0:
-            raise ValueError(f"unread audio must be allowed over 0 s, got {self.max_unread_s}")
+        if not self.max_unread_s * SAMPLE_RATE >= FRAME_SIZE:  # (a bound of no frame would drop every client)
+            raise ValueError(f"unread audio must be allowed a frame (0.0133 s) or more, got {self.max_unread_s}")
         if (n := self.max_conversations_per_client) < 0:
             raise ValueError(f"conversations per client must be 0 (no limit) or more, got {n}")
 
