@@ -14,6 +14,7 @@ the graph embeds through `embed_checked`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 
 from s2s.batch import PagedBatch
 from s2s.model import S2SModel
+from s2s.transfers import Staging
 
 
 def capture(device: torch.device, keys: list, run: Callable) -> tuple[dict, dict]:
@@ -84,6 +86,7 @@ class DecodeGraphs:
         self.page_table = torch.zeros(b, max_pages, dtype=torch.int32, device=device)
         self.cu_seqlens_q = torch.arange(b + 1, dtype=torch.int32, device=device)
         self.seqlens_k = torch.ones(b, dtype=torch.long, device=device)
+        self.staging = Staging(device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         if capture:
@@ -122,12 +125,13 @@ class DecodeGraphs:
         table: np.ndarray,
         lengths: np.ndarray,
         shifts: np.ndarray | None = None,
-        fill: Callable[[torch.Tensor], None] | None = None,
+        fill: Callable[[torch.Tensor, Callable[[np.ndarray], torch.Tensor]], None] | None = None,
     ) -> torch.Tensor:
         """One decode round: `tokens[s]` `[2K]` is sequence s's new step, written at position `cached_lens[s]` of
         its pages (`table[s]`, `lengths[s]` of them: `page_table`), at position `cached_lens[s] + shifts[s]` for
-        RoPE (`PagedBatch`); `fill` then writes codes still on the device into the steps' tokens there (`[S, 2K]`).
-        Returns the logits `[S, K, vocab]` (a copy: the graph's output buffer is reused)."""
+        RoPE (`PagedBatch`); `fill(tokens, to_device)` then writes codes still on the device into the steps' tokens
+        there (`[S, 2K]`). The inputs go in through `Staging`: the host does not wait for the device. Returns the
+        logits `[S, K, vocab]` (a copy: the graph's output buffer is reused)."""
         n = len(cached_lens)
         vocab = self.model.config.vocab_size
         if tokens.shape != (n, self.model.config.step_width):
@@ -153,17 +157,19 @@ class DecodeGraphs:
         rope[:n] += np.asarray(shifts if shifts is not None else [0] * n, dtype=np.int64)
         padded_tokens = np.zeros((size, tokens.shape[1]), dtype=np.int64)
         padded_tokens[:n] = tokens
-        for dst, src in (
-            (self.tokens, padded_tokens),
-            (self.positions, padded_pos),
-            (self.rope_positions, rope),
-            (self.slots, slots),
-            (self.page_table[:, : table.shape[1]], table),
-            (self.seqlens_k, seqlens),
+        self.staging.begin()
+        for name, dst, src in (
+            ("tokens", self.tokens, padded_tokens),
+            ("positions", self.positions, padded_pos),
+            ("rope", self.rope_positions, rope),
+            ("slots", self.slots, slots),
+            ("table", self.page_table[:, : table.shape[1]], table),
+            ("seqlens", self.seqlens_k, seqlens),
         ):
-            dst[:size].copy_(torch.from_numpy(src))
+            self.staging.copy(name, dst[:size], src)
         if fill is not None:
-            fill(self.tokens[:n])
+            fill(self.tokens[:n], functools.partial(self.staging.to_device, "fill"))
+        self.staging.end()
         if self.capture:
             self.graphs[size].replay()
             return self.logits[size][:n].clone()

@@ -34,6 +34,7 @@ from s2s.page_tables import PageTables
 from s2s.sampling import RandomStream, SamplingParams
 from s2s.scheduler import Work
 from s2s.session import Session
+from s2s.transfers import HostCopy
 
 
 @dataclass
@@ -52,13 +53,13 @@ class LaneRound:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def fill_into(self, tokens: torch.Tensor) -> None:
+    def fill_into(self, tokens: torch.Tensor, to_device: Callable[[np.ndarray], torch.Tensor]) -> None:
         """The last round's sampled codes, still on the device, into these steps' tokens `[n, 2K]` (on the device)
-        where they want them (`tokens` holds 0 there)."""
+        where they want them (`tokens` holds 0 there); `to_device` moves the mask of where."""
         if self.fill is not None:
             wanted, codes = self.fill
             k = codes.shape[1]
-            tokens[:, k:] = torch.where(torch.from_numpy(wanted).to(tokens.device), codes, tokens[:, k:])
+            tokens[:, k:] = torch.where(to_device(wanted), codes, tokens[:, k:])
 
 
 class DuplexLane:
@@ -95,7 +96,7 @@ class DuplexLane:
         self.params: list[SamplingParams] = [s.sampling for s in rows]
         self.streams: list[RandomStream] = [s.generator for s in rows]
         self.done = np.zeros(len(rows), dtype=np.int64)  # rounds each row has stepped
-        self._pending: tuple[np.ndarray, int, torch.Tensor] | None = None  # the last round's codes, not yet written
+        self._pending: tuple[np.ndarray, int, torch.Tensor, HostCopy] | None = None  # the last round's codes, unwritten
         self.given = np.zeros(len(rows), dtype=np.int64)  # of those, steps given back to its session
         self._logits: list[tuple[torch.Tensor, np.ndarray, float]] = []  # each round's: rows' logits, rows, when
 
@@ -259,7 +260,7 @@ class DuplexLane:
             table = np.where(columns < lengths[:, None], pages, 0).astype(np.int32)
         tokens, fill = self.tokens[at, index].copy(), None
         if self._pending is not None:  # the last round's codes are still on the device: the forward takes them there
-            stepped, nxt, codes = self._pending
+            stepped, nxt, codes, _ = self._pending
             if nxt != index:
                 raise AssertionError(f"round {index} after the codes of round {nxt - 1} were left unwritten")
             if len(rows) < len(stepped):  # (a row steps in a round only if it stepped in the one before)
@@ -283,15 +284,15 @@ class DuplexLane:
     def accept(self, r: LaneRound, codes: np.ndarray | torch.Tensor, logits: torch.Tensor, now: float) -> None:
         """The round's sampled codes `[n, K]` fill what each row's next step wanted; `logits` `[n, K, V]`.
 
-        Codes in a tensor (on the device) are written on the host only when next read (`_write_pending`: by the next
-        round's `accept`, or a give-back), and the next round takes them on the device (`LaneRound.fill`): no round
-        waits for the host to read the last one's codes, the first step toward SGLang's overlap scheduler and vLLM's
-        async scheduling. (On CUDA the copies in are still blocking, and the read comes after the next round on the
-        stream: pinned, non-blocking copies with events are what would let the host run a round ahead.)"""
+        Codes in a tensor (on the device) start their copy to the host at once (`HostCopy`) and are written into the
+        tokens only when next read (`_write_pending`: by the next round's `accept`, or a give-back), while the next
+        round takes them on the device (`LaneRound.fill`). With its inputs staged in without waiting (`Staging`),
+        the host prepares round i + 1 while the device computes round i, and waits for round i's codes only then,
+        as SGLang's overlap scheduler and vLLM's async scheduling overlap a step's host work with the last step."""
         self._write_pending()
         at = self._at(r.rows)
         if isinstance(codes, torch.Tensor):
-            self._pending = (r.rows, r.index + 1, codes)
+            self._pending = (r.rows, r.index + 1, codes, HostCopy(codes))
         else:
             self._write(at, r.index + 1, codes)
         self.done[at] = r.index + 1
@@ -303,9 +304,9 @@ class DuplexLane:
 
     def _write_pending(self) -> None:
         if self._pending is not None:
-            stepped, nxt, codes = self._pending
+            stepped, nxt, _, copied = self._pending
             self._pending = None
-            self._write(self._at(stepped), nxt, codes.cpu().numpy())  # (waits for the round that sampled them)
+            self._write(self._at(stepped), nxt, copied.numpy())  # (waits for the round that sampled them only)
 
     def give_back(self, s: Session) -> None:
         """The session's steps so far go back to it, and it steps no more this tick (another preempts it)."""

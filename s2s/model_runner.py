@@ -80,13 +80,15 @@ class ModelRunner:
             new_lens = np.concatenate([new_lens, np.ones(len(lane), dtype=np.int64)])
             lengths = np.concatenate([lengths, lane.lengths])
             table = stack_tables(table, lane.table)
-        fill = None if lane is None or lane.fill is None else lambda t: lane.fill_into(t[len(t) - len(lane) :])
+        fill = (
+            None if lane is None or lane.fill is None else lambda t, move: lane.fill_into(t[len(t) - len(lane) :], move)
+        )
         if self.graphs is not None and len(tokens) == len(new_lens) and self.graphs.fits(len(new_lens), table):
             return self.graphs.run(tokens, cached, table, lengths, shifts, fill)
         batch = PagedBatch.from_table(cached, new_lens, table, lengths, self.pool.page_size, self.device, shifts)
         device_tokens = torch.from_numpy(tokens).to(self.device)
         if fill is not None:
-            fill(device_tokens)
+            fill(device_tokens, lambda a: torch.from_numpy(a).to(self.device))
         out = self.model.forward_paged(device_tokens, batch, self.pool.k, self.pool.v, self.batch_invariant)
         return out.logits
 

@@ -10,10 +10,12 @@ row's top-k cut (`sample_static`).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from s2s.cuda_graphs import bucket_sizes, capture
 from s2s.sampling import RandomStream, SamplingParams, sample_static, stream_keys
+from s2s.transfers import Staging
 
 
 class SamplingGraphs:
@@ -42,6 +44,7 @@ class SamplingGraphs:
         self.temperature = torch.zeros(b, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(b, dtype=torch.int64, device=device)
         self.top_p = torch.ones(b, dtype=torch.float32, device=device)
+        self.staging = Staging(device)  # (the settings go in without waiting for the device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.codes: dict[int, torch.Tensor] = {}
         if capture:
@@ -77,13 +80,15 @@ class SamplingGraphs:
             raise ValueError(f"{n} rows exceed the captured buffers ({self.sizes[-1]})")
         size = next(s for s in self.sizes if s >= n)
         self.logits[:n].copy_(logits)
-        for dst, src in (
-            (self.keys, stream_keys(streams)),
-            (self.temperature, torch.tensor([p.temperature for p in params], dtype=torch.float32)),
-            (self.top_k, torch.tensor([p.top_k for p in params], dtype=torch.int64)),
-            (self.top_p, torch.tensor([p.top_p for p in params], dtype=torch.float32)),
+        self.staging.begin()
+        for name, dst, src in (
+            ("keys", self.keys, stream_keys(streams).numpy()),
+            ("temperature", self.temperature, np.array([p.temperature for p in params], dtype=np.float32)),
+            ("top_k", self.top_k, np.array([p.top_k for p in params], dtype=np.int64)),
+            ("top_p", self.top_p, np.array([p.top_p for p in params], dtype=np.float32)),
         ):
-            dst[:n].copy_(src)
+            self.staging.copy(name, dst[:n], src)
+        self.staging.end()
         if self.capture:
             self.graphs[size].replay()
             return self.codes[size][:n].clone()

@@ -44,7 +44,7 @@ cat "$out/machine.txt"
 
 eager=()
 stage kernel-tests 90 $py -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
-stage graph-tests 60 $py -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_sampling_graphs.py tests/test_codec_graphs.py || eager=(--enforce-eager)
+stage graph-tests 60 $py -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_sampling_graphs.py tests/test_codec_graphs.py tests/test_transfers.py || eager=(--enforce-eager)
 # the shipped echo model wants float32 (its "most recent" heads hang on exact flag values)
 stage demo 60 $py -m server.cli demo --device "$dev" --dtype float32 "${eager[@]}" --out "$out/demo"
 stage model 45 $py -m server.cli bench model --quick --device "$dev" --json "$out/model.json" --plot "$out/model.png"
