@@ -14,7 +14,6 @@ the graph embeds through `embed_checked`).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -125,7 +124,7 @@ class DecodeGraphs:
         table: np.ndarray,
         lengths: np.ndarray,
         shifts: np.ndarray | None = None,
-        fill: Callable[[torch.Tensor, Callable[[np.ndarray], torch.Tensor]], None] | None = None,
+        fill: Callable[[torch.Tensor, Callable[[str, np.ndarray], torch.Tensor]], None] | None = None,
     ) -> torch.Tensor:
         """One decode round: `tokens[s]` `[2K]` is sequence s's new step, written at position `cached_lens[s]` of
         its pages (`table[s]`, `lengths[s]` of them: `page_table`), at position `cached_lens[s] + shifts[s]` for
@@ -158,18 +157,20 @@ class DecodeGraphs:
         padded_tokens = np.zeros((size, tokens.shape[1]), dtype=np.int64)
         padded_tokens[:n] = tokens
         self.staging.begin()
-        for name, dst, src in (
-            ("tokens", self.tokens, padded_tokens),
-            ("positions", self.positions, padded_pos),
-            ("rope", self.rope_positions, rope),
-            ("slots", self.slots, slots),
-            ("table", self.page_table[:, : table.shape[1]], table),
-            ("seqlens", self.seqlens_k, seqlens),
-        ):
-            self.staging.copy(name, dst[:size], src)
-        if fill is not None:
-            fill(self.tokens[:n], functools.partial(self.staging.to_device, "fill"))
-        self.staging.end()
+        try:
+            for name, dst, src in (
+                ("tokens", self.tokens, padded_tokens),
+                ("positions", self.positions, padded_pos),
+                ("rope", self.rope_positions, rope),
+                ("slots", self.slots, slots),
+                ("table", self.page_table[:, : table.shape[1]], table),
+                ("seqlens", self.seqlens_k, seqlens),
+            ):
+                self.staging.copy(name, dst[:size], src)
+            if fill is not None:
+                fill(self.tokens[:n], self.staging.to_device)
+        finally:
+            self.staging.end()
         if self.capture:
             self.graphs[size].replay()
             return self.logits[size][:n].clone()

@@ -48,18 +48,21 @@ class LaneRound:
     table: np.ndarray  # [n, P] int32 page tables (what each attends to)
     lengths: np.ndarray  # [n] pages in each table
     shifts: np.ndarray  # [n] added to positions for RoPE (steps its window left out)
-    fill: tuple[np.ndarray, torch.Tensor] | None = None  # the model codes wanted from the last round [n, K], and them
+    fill: tuple[np.ndarray, torch.Tensor, np.ndarray | None] | None = None  # wanted [n, K], the last round's codes,
+    # and each row's place among that round's rows (None: the same rows)
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def fill_into(self, tokens: torch.Tensor, to_device: Callable[[np.ndarray], torch.Tensor]) -> None:
+    def fill_into(self, tokens: torch.Tensor, to_device: Callable[[str, np.ndarray], torch.Tensor]) -> None:
         """The last round's sampled codes, still on the device, into these steps' tokens `[n, 2K]` (on the device)
-        where they want them (`tokens` holds 0 there); `to_device` moves the mask of where."""
+        where they want them (`tokens` holds 0 there); `to_device(name, array)` moves what it needs from the host."""
         if self.fill is not None:
-            wanted, codes = self.fill
+            wanted, codes, places = self.fill
+            if places is not None:
+                codes = codes[to_device("fill_rows", places)]
             k = codes.shape[1]
-            tokens[:, k:] = torch.where(to_device(wanted), codes, tokens[:, k:])
+            tokens[:, k:] = torch.where(to_device("fill", wanted), codes, tokens[:, k:])
 
 
 class DuplexLane:
@@ -263,11 +266,11 @@ class DuplexLane:
             stepped, nxt, codes, _ = self._pending
             if nxt != index:
                 raise AssertionError(f"round {index} after the codes of round {nxt - 1} were left unwritten")
-            if len(rows) < len(stepped):  # (a row steps in a round only if it stepped in the one before)
-                codes = codes[torch.from_numpy(np.searchsorted(stepped, rows)).to(codes.device)]
+            # (a row steps in a round only if it stepped in the one before)
+            places = np.searchsorted(stepped, rows) if len(rows) < len(stepped) else None
             wanted = self.wanted[at, index]
             tokens[:, len(self.delays) :][wanted] = 0
-            fill = (wanted, codes)
+            fill = (wanted, codes, places)
         return LaneRound(index, rows, tokens, computed - hidden * ps, table, lengths, hidden * ps, fill)
 
     def _at(self, rows: np.ndarray) -> np.ndarray | slice:

@@ -80,15 +80,15 @@ class ModelRunner:
             new_lens = np.concatenate([new_lens, np.ones(len(lane), dtype=np.int64)])
             lengths = np.concatenate([lengths, lane.lengths])
             table = stack_tables(table, lane.table)
-        fill = (
-            None if lane is None or lane.fill is None else lambda t, move: lane.fill_into(t[len(t) - len(lane) :], move)
-        )
+        fill = None  # (the lane's rows are the last)
+        if lane is not None and lane.fill is not None:
+            fill = lambda tokens, to_device: lane.fill_into(tokens[len(tokens) - len(lane) :], to_device)  # noqa: E731
         if self.graphs is not None and len(tokens) == len(new_lens) and self.graphs.fits(len(new_lens), table):
             return self.graphs.run(tokens, cached, table, lengths, shifts, fill)
         batch = PagedBatch.from_table(cached, new_lens, table, lengths, self.pool.page_size, self.device, shifts)
         device_tokens = torch.from_numpy(tokens).to(self.device)
         if fill is not None:
-            fill(device_tokens, lambda a: torch.from_numpy(a).to(self.device))
+            fill(device_tokens, lambda name, array: torch.from_numpy(array).to(self.device))
         out = self.model.forward_paged(device_tokens, batch, self.pool.k, self.pool.v, self.batch_invariant)
         return out.logits
 

@@ -81,14 +81,16 @@ class SamplingGraphs:
         size = next(s for s in self.sizes if s >= n)
         self.logits[:n].copy_(logits)
         self.staging.begin()
-        for name, dst, src in (
-            ("keys", self.keys, stream_keys(streams).numpy()),
-            ("temperature", self.temperature, np.array([p.temperature for p in params], dtype=np.float32)),
-            ("top_k", self.top_k, np.array([p.top_k for p in params], dtype=np.int64)),
-            ("top_p", self.top_p, np.array([p.top_p for p in params], dtype=np.float32)),
-        ):
-            self.staging.copy(name, dst[:n], src)
-        self.staging.end()
+        try:
+            for name, dst, src in (
+                ("keys", self.keys, stream_keys(streams).numpy()),
+                ("temperature", self.temperature, np.array([p.temperature for p in params], dtype=np.float32)),
+                ("top_k", self.top_k, np.array([p.top_k for p in params], dtype=np.int64)),
+                ("top_p", self.top_p, np.array([p.top_p for p in params], dtype=np.float32)),
+            ):
+                self.staging.copy(name, dst[:n], src)
+        finally:
+            self.staging.end()
         if self.capture:
             self.graphs[size].replay()
             return self.codes[size][:n].clone()

@@ -31,7 +31,7 @@ class Staging:
 
     def end(self) -> None:
         if self.event is not None:
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(self.device))  # (the copies' stream, whatever is current)
 
     def copy(self, name: str, dst: torch.Tensor, src: np.ndarray) -> None:
         """`src` into `dst` (on the device, of `src`'s shape), in the stream's order, without waiting for it."""
@@ -46,7 +46,9 @@ class Staging:
             return torch.from_numpy(src).to(self.device)
         buffer = self.on_device.get(name)
         if buffer is None or buffer.numel() < src.size or buffer.dtype != _dtype(src):
-            buffer = self.on_device[name] = torch.empty(max(src.size, 1), dtype=_dtype(src), device=self.device)
+            with torch.inference_mode(False):  # (made in a tick's inference mode, it could not be written outside)
+                buffer = torch.empty(_grown(buffer, src), dtype=_dtype(src), device=self.device)
+            self.on_device[name] = buffer
         out = buffer[: src.size].view(src.shape)
         out.copy_(self._pinned(name, src), non_blocking=True)
         return out
@@ -54,7 +56,7 @@ class Staging:
     def _pinned(self, name: str, src: np.ndarray) -> torch.Tensor:
         buffer = self.pinned.get(name)
         if buffer is None or buffer.numel() < src.size or buffer.dtype != _dtype(src):
-            buffer = self.pinned[name] = torch.empty(max(src.size, 1), dtype=_dtype(src), pin_memory=True)
+            buffer = self.pinned[name] = torch.empty(_grown(buffer, src), dtype=_dtype(src), pin_memory=True)
         view = buffer[: src.size].view(src.shape)
         view.numpy()[...] = src
         return view
@@ -70,7 +72,7 @@ class HostCopy:
             self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
             self.host.copy_(tensor, non_blocking=True)
             self.event = torch.cuda.Event()
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(tensor.device))
         else:
             self.host = tensor
 
@@ -78,6 +80,11 @@ class HostCopy:
         if self.event is not None:
             self.event.synchronize()
         return self.host.numpy()
+
+
+def _grown(buffer: torch.Tensor | None, src: np.ndarray) -> int:
+    """A buffer's new size: `src`'s, or twice the old one's, so that a growing input reallocates it seldom."""
+    return max(src.size, 1, 2 * buffer.numel() if buffer is not None and buffer.dtype == _dtype(src) else 0)
 
 
 def _dtype(array: np.ndarray) -> torch.dtype:
