@@ -89,7 +89,9 @@ def measure(model: S2SModel, n: int, ticks: int, forward: str, warmup: int = 3) 
         mcfg, draw = model.config, np.random.default_rng(1)
         logits = torch.randn(n, mcfg.num_codebooks, mcfg.vocab_size)
         engine.runner.forward = lambda work, lane=None: logits[: len(work) + (len(lane) if lane is not None else 0)]
-        engine.runner.sample = lambda x, params, streams: draw.integers(0, mcfg.codebook_size, x.shape[:2])
+        engine.runner.sample = lambda x, params, streams: torch.from_numpy(
+            draw.integers(0, mcfg.codebook_size, x.shape[:2])
+        )
     engine.runner.forward = timed(engine.runner.forward)
     engine.runner.sample = timed(engine.runner.sample)
     owners = {"engine": engine, "audio": engine.audio, "lane": engine.lane}

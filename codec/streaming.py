@@ -68,6 +68,12 @@ class _RowStates:
         assert self.state is not None
         return gather_rows(self.state, torch.tensor(rows, device=device))
 
+    def use(self, buffer: State) -> None:
+        """Keep the rows' state in `buffer` (a `CodecGraphs`'), from before the first push."""
+        if self.state is not None:
+            raise ValueError("a codec's graphs come before its first push")
+        self.state = buffer
+
     def put(self, rows: list[int], new: State, device: torch.device) -> None:
         if self.state is None:
             self.state = empty_like_rows(new, self.batch_size)
@@ -114,11 +120,9 @@ class StreamingEncoder:
         self._started[row] = False
 
     def use_graphs(self, graphs) -> None:
-        """Steady pushes through `graphs` (`s2s.codec_graphs.CodecGraphs`), whose buffer holds the rows' state from
-        now on (before any push)."""
-        if self._states.state is not None:
-            raise ValueError("a codec's graphs come before its first push")
-        self.graphs, self._states.state = graphs, graphs.use_rows(self.batch_size)
+        """Steady pushes through `graphs` (`s2s.codec_graphs.CodecGraphs`), whose buffer holds the rows' state."""
+        self._states.use(graphs.use_rows(self.batch_size))
+        self.graphs = graphs
 
     @torch.inference_mode()
     def push(
@@ -195,11 +199,9 @@ class StreamingDecoder:
         self._frames[row] = 0
 
     def use_graphs(self, graphs) -> None:
-        """Steady pushes through `graphs` (`s2s.codec_graphs.CodecGraphs`), whose buffer holds the rows' state from
-        now on (before any push)."""
-        if self._states.state is not None:
-            raise ValueError("a codec's graphs come before its first push")
-        self.graphs, self._states.state = graphs, graphs.use_rows(self.batch_size)
+        """Steady pushes through `graphs` (`s2s.codec_graphs.CodecGraphs`), whose buffer holds the rows' state."""
+        self._states.use(graphs.use_rows(self.batch_size))
+        self.graphs = graphs
 
     @torch.inference_mode()
     def push(self, codes: torch.Tensor, rows: Sequence[int] | None = None) -> torch.Tensor:

@@ -284,32 +284,25 @@ class DuplexLane:
         rows = r.rows.tolist()
         return [self.params[i] for i in rows], [self.streams[i] for i in rows]
 
-    def accept(self, r: LaneRound, codes: np.ndarray | torch.Tensor, logits: torch.Tensor, now: float) -> None:
+    def accept(self, r: LaneRound, codes: torch.Tensor, logits: torch.Tensor, now: float) -> None:
         """The round's sampled codes `[n, K]` fill what each row's next step wanted; `logits` `[n, K, V]`.
 
-        Codes in a tensor (on the device) start their copy to the host at once (`HostCopy`) and are written into the
+        The codes (on the device) start their copy to the host at once (`HostCopy`) and are written into the
         tokens only when next read (`_write_pending`: by the next round's `accept`, or a give-back), while the next
         round takes them on the device (`LaneRound.fill`). With its inputs staged in without waiting (`Staging`),
         the host prepares round i + 1 while the device computes round i, and waits for round i's codes only then,
         as SGLang's overlap scheduler and vLLM's async scheduling overlap a step's host work with the last step."""
         self._write_pending()
-        at = self._at(r.rows)
-        if isinstance(codes, torch.Tensor):
-            self._pending = (r.rows, r.index + 1, codes, HostCopy(codes))
-        else:
-            self._write(at, r.index + 1, codes)
-        self.done[at] = r.index + 1
+        self._pending = (r.rows, r.index + 1, codes, HostCopy(codes))
+        self.done[self._at(r.rows)] = r.index + 1
         self._logits.append((logits, r.rows, now))
-
-    def _write(self, at: np.ndarray | slice, nxt: int, codes: np.ndarray) -> None:
-        k = len(self.delays)
-        self.tokens[at, nxt, k:] = np.where(self.wanted[at, nxt], codes, self.tokens[at, nxt, k:])
 
     def _write_pending(self) -> None:
         if self._pending is not None:
             stepped, nxt, _, copied = self._pending
-            self._pending = None
-            self._write(self._at(stepped), nxt, copied.numpy())  # (waits for the round that sampled them only)
+            self._pending, k, at = None, len(self.delays), self._at(stepped)
+            codes = copied.numpy()  # (waits for the round that sampled them only)
+            self.tokens[at, nxt, k:] = np.where(self.wanted[at, nxt], codes, self.tokens[at, nxt, k:])
 
     def give_back(self, s: Session) -> None:
         """The session's steps so far go back to it, and it steps no more this tick (another preempts it)."""

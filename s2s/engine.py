@@ -368,7 +368,7 @@ class Engine:
         now = self.clock()
         if lane is not None:
             self.lane.accept(lane, codes[len(todo) :], lane_logits, computed_at)  # (still on the device)
-        if todo and isinstance(codes, torch.Tensor):
+        if todo:
             codes = codes[: len(todo)].cpu().numpy()
         for (s, filled), c in zip(todo, codes[: len(todo)], strict=True):
             s.accept(c, filled)
