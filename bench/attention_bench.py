@@ -25,7 +25,7 @@ from bench.common import environment, parser, print_table, save_outputs, timed
 from cache import PagePool
 from paged_kernels import set_backend
 from s2s import ModelConfig, S2SModel
-from s2s.batch import PagedBatch
+from s2s.runner.batch import PagedBatch
 
 PAGE = 16
 SPREAD = list(range(300, 2000, 106))[:16]  # 16 contexts from 300 to 1,890 steps

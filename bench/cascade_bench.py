@@ -52,15 +52,16 @@ from bench.common import (
     scrape,
     write_json,
 )
-from codec.pcm import FRAME_SIZE, SAMPLE_RATE
+from codec.pcm import FRAME_SIZE, SAMPLE_RATE, to_pcm16
 from s2s import ModelConfig
-from server import protocol
-from server.client import refusal_of
+from server.moshi import protocol
+from server.moshi.client import refusal_of
+from server.moshi.protocol import BLOCK, Kind, metadata_of
 from server.process import ServerProcess
-from server.protocol import BLOCK, Kind, metadata_of
 from server.realtime.wire import pcm16_base64
-from server.speech import synthesize
-from server.vad import Endpointer, VadConfig
+from server.vad.config import VadConfig
+from server.vad.endpointer import Endpointer
+from speech.sample import synthesize
 
 SILENT = 0.005  # |sample| above this is speech
 TURN_GAP_S = 0.5  # a client's pause between its turns
@@ -194,7 +195,7 @@ async def one_turn(url: str, clip: Clip, system: str, query: str, timeout_s: flo
         reader = asyncio.create_task(receive())
 
         def pcm16(block: np.ndarray) -> bytes:
-            return protocol.audio((np.clip(block, -1, 1) * 32767).astype("<i2").tobytes())
+            return protocol.audio(to_pcm16(block))
 
         sent_at = await speak(ws, clip, start, timeout_s, done, pcm16)  # block i left the client at sent_at[i]
         await ws.close()

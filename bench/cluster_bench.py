@@ -2,7 +2,7 @@
 then steady; routing by voice (consistent hashing, bounded loads) against round robin, and a drain mid-run.
 
 Each routing gets a fresh cluster (cold caches), the same prompts, speech and arrival schedule. A conversation is a
-turn-mode pcm16 client (`server.client.talk`) with `?voice=NAME`: it sends a recorded question at once (as a Realtime
+turn-mode pcm16 client (`talk`) with `?voice=NAME`: it sends a recorded question at once (as a Realtime
 client commits a buffer), ends its turn, hears the reply, leaves; so the voice prompt's prefill, where the replica
 has not cached it, comes before the first audio.
 A refused one (HTTP 503 from every replica it was tried on) waits the `Retry-After` and tries again, as a client
@@ -23,15 +23,14 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import SENTENCES, environment, parser, percentiles, print_table, save_outputs, scrape, write_json
-from server.audio import save_wav
-from server.client import talk
+from codec.pcm import SAMPLE_RATE, save_wav
 from server.cluster.control import ask
 from server.cluster.manager import free_port
+from server.moshi.client import talk
 from server.process import ServerProcess
-from server.speech import speech, synthesize
+from speech.sample import speech, synthesize
 
 ESPEAK_VOICES = ["en-us+f1", "en-us+f2", "en-us+f3", "en-us+f4", "en-us+m1", "en-us+m2", "en-us+m3", "en-gb+f2"]
-SAMPLE_RATE = 24000
 SEND_SPEED = 20.0  # a recorded question, sent at once (within the server's 2 s burst), as a Realtime client commits
 
 

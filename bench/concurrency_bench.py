@@ -47,11 +47,10 @@ from bench.common import (
     scrape,
     write_json,
 )
-from codec.pcm import SAMPLE_RATE
-from s2s.config import FRAME_S
-from server.client import talk
+from codec.pcm import FRAME_S, SAMPLE_RATE
+from server.moshi.client import talk
 from server.process import ServerProcess
-from server.speech import speech
+from speech.sample import speech
 
 
 def rss_bytes(pid: int) -> int:

@@ -32,10 +32,11 @@ from transformers import DynamicCache, LlamaModel
 
 from bench.common import SENTENCES, environment, parser, peak_rss_bytes, percentiles, print_table, save_outputs
 from codec import EncodecTokenizer
+from codec.pcm import FRAME_S
 from s2s import ModelConfig, S2SModel, SamplingParams
-from s2s.engine import FRAME_S, AudioEvent, Engine, EngineConfig, Refused
-from s2s.model_runner import ModelRunner
-from server.speech import speech, synthesize
+from s2s.engine.engine import AudioEvent, Engine, EngineConfig, Refused
+from s2s.runner.model_runner import ModelRunner
+from speech.sample import speech, synthesize
 
 
 class TransformersRunner(ModelRunner):
@@ -46,19 +47,20 @@ class TransformersRunner(ModelRunner):
         self.llama = LlamaModel(model.config.to_llama_config()).eval()
         self.llama.config._attn_implementation = "sdpa"
         self.llama.load_state_dict(model.backbone.state_dict(), strict=False)
+        self.caches: dict[str, DynamicCache] = {}  # by session id (a `Session` takes no new attributes)
 
-    def forward(self, work, lane=None) -> torch.Tensor:
-        assert lane is None, "the transformers loop steps every conversation as its own work"
+    def forward(self, batch) -> torch.Tensor:
+        assert batch.lane is None, "the transformers loop steps every conversation as its own work"
         logits = []
-        for w in work:
+        for w in batch.work:
             s = w.session
-            if not hasattr(s, "hf_cache"):
-                s.hf_cache = DynamicCache(config=self.llama.config)
-            if s.hf_cache.get_seq_length() != s.computed:
-                s.hf_cache.crop(s.computed)
+            if (cache := self.caches.get(s.id)) is None:
+                cache = self.caches[s.id] = DynamicCache(config=self.llama.config)
+            if cache.get_seq_length() != s.computed:
+                cache.crop(s.computed)
             x = self.model.embed(torch.from_numpy(w.tokens))[None]
             pos = torch.arange(s.computed, s.computed + len(w.tokens))[None]
-            hidden = self.llama(inputs_embeds=x, past_key_values=s.hf_cache, position_ids=pos, use_cache=True)
+            hidden = self.llama(inputs_embeds=x, past_key_values=cache, position_ids=pos, use_cache=True)
             logits.append(self.model.logits(hidden.last_hidden_state[0, -1]))
         return torch.stack(logits)
 

@@ -20,8 +20,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from bench.common import environment, parser, print_table, save_outputs, write_json
-from s2s.events import AudioEvent, EventQueue
-from server.session import events
+from s2s.engine.events import AudioEvent, EventQueue
+from server.engine_session import events
 
 TICK_PCM = np.zeros(4 * 320, np.float32)
 

@@ -37,7 +37,7 @@ import matplotlib.pyplot as plt
 from bench.common import environment, parser, print_table, save_outputs, write_json
 from bench.concurrency_bench import client_pool, dealt, rss_bytes, utterances
 from codec.pcm import SAMPLE_RATE
-from s2s.weights import shipped
+from s2s.models.shipped import shipped
 from server.process import ServerProcess
 
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")

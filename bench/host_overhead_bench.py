@@ -35,7 +35,7 @@ import torch
 
 from bench.common import environment, parser, print_table, save_outputs, write_json
 from s2s import ModelConfig, S2SModel, SamplingParams
-from s2s.engine import Engine, EngineConfig
+from s2s.engine.engine import Engine, EngineConfig
 from server.gc_pause import freeze_startup_heap
 
 FRAMES_PER_TICK = 4
@@ -46,9 +46,9 @@ PHASES = {  # where the engine thread's host CPU goes: (object, method) wrapped,
     "commands": ("engine", "_apply_commands"),  # each conversation's pushed codes, as a command
     "encode": ("audio", "encode"),  # pushed codes become user frames
     "take": ("lane", "take"),  # the lane's rows and their step tokens
-    "schedule": ("engine", "_schedule"),  # the scheduler's pick and page reservations, per round
-    "round": ("lane", "round"),  # each round's rows, tables and positions
-    "sample_accept": ("engine", "_run"),  # around the forward and sampling: accepting their codes
+    "schedule": ("engine", "_schedule"),  # per round: the scheduler's pick, page reservations, the lane's rows
+    "computed": ("rounds", "computed"),  # the forward's steps into the sessions
+    "accept": ("rounds", "accept"),  # the sampled codes into the lane's rows and the sessions
     "give_back": ("lane", "give_back_all"),  # the rows' steps back to their sessions
     "decode": ("audio", "decode"),  # complete frames out as each conversation's events
     "publish": ("engine", "_publish"),  # the snapshot
@@ -88,13 +88,16 @@ def measure(model: S2SModel, n: int, ticks: int, forward: str, warmup: int = 3) 
     if forward == "stand-in":
         mcfg, draw = model.config, np.random.default_rng(1)
         logits = torch.randn(n, mcfg.num_codebooks, mcfg.vocab_size)
-        engine.runner.forward = lambda work, lane=None: logits[: len(work) + (len(lane) if lane is not None else 0)]
-        engine.runner.sample = lambda x, params, streams: torch.from_numpy(
-            draw.integers(0, mcfg.codebook_size, x.shape[:2])
-        )
+
+        def stand_in_sample(batch):
+            drawn = batch.sampling()[0]
+            return None if drawn is None else torch.from_numpy(draw.integers(0, mcfg.codebook_size, drawn.shape[:2]))
+
+        engine.runner.forward = lambda batch: logits[: len(batch)]
+        engine.runner.sample = stand_in_sample
     engine.runner.forward = timed(engine.runner.forward)
     engine.runner.sample = timed(engine.runner.sample)
-    owners = {"engine": engine, "audio": engine.audio, "lane": engine.lane}
+    owners = {"engine": engine, "audio": engine.audio, "lane": engine.lane, "rounds": engine.rounds}
     for phase, (owner, method) in PHASES.items():
         setattr(owners[owner], method, timed(getattr(owners[owner], method), phase))
     rng = np.random.default_rng(0)

@@ -48,10 +48,10 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from bench.common import add_device_args, device_server_args, environment, parser, print_table, save_outputs, scrape
 from bench.concurrency_bench import rss_bytes, utterances
 from codec.pcm import SAMPLE_RATE
-from server import protocol
-from server.client import refusal_of, talk
+from server.moshi import protocol
+from server.moshi.client import refusal_of, talk
+from server.moshi.protocol import BLOCK, Kind
 from server.process import ServerProcess
-from server.protocol import BLOCK, Kind
 
 EVIL = "http://evil.example"
 BAD_SEED = f"seed={2**64}"

@@ -26,10 +26,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from bench.common import environment, parser, print_table, save_outputs
 from codec import EncodecTokenizer, stream_layers
-from s2s import Engine, EngineConfig, ModelConfig, S2SModel, SamplingParams, sampling, sampling_graphs
-from s2s.codec_graphs import codec_graphs
-from s2s.cuda_graphs import DecodeGraphs
-from s2s.sampling_graphs import SamplingGraphs
+from s2s import Engine, EngineConfig, ModelConfig, S2SModel, SamplingParams
+from s2s.runner import sampling, sampling_graphs
+from s2s.runner.codec_graphs import codec_graphs
+from s2s.runner.cuda_graphs import DecodeGraphs
+from s2s.runner.sampling_graphs import SamplingGraphs
 
 # (engine component, method): phase
 PHASES = {

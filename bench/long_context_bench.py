@@ -25,10 +25,10 @@ import numpy as np
 
 from bench.common import environment, parser, print_table, save_outputs
 from bench.concurrency_bench import rss_bytes
+from codec.pcm import FRAME_S
 from s2s import ModelConfig, S2SModel, SamplingParams
-from s2s.config import FRAME_S
-from s2s.cuda_graphs import DecodeGraphs
-from s2s.engine import Engine, EngineConfig
+from s2s.engine.engine import Engine, EngineConfig
+from s2s.runner.cuda_graphs import DecodeGraphs
 
 FRAMES_PER_TICK = 4
 

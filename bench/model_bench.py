@@ -12,7 +12,7 @@ each side's p50 is its best block's median (see `compare`).
 frames/s = B / step time: one frame of every codebook per conversation per step.
 
 `--device cuda` runs both sides on the GPU in bf16 (transformers still with SDPA and DynamicCache, eagerly: its
-static cache under torch.compile is not measured here), plus a third side: ours through `s2s/cuda_graphs.py`, the
+static cache under torch.compile is not measured here), plus a third side: ours through `s2s/runner/cuda_graphs.py`, the
 path the engine takes for its decode rounds (inputs copied into static buffers, one graph replay).
 """
 
@@ -30,7 +30,7 @@ from transformers import DynamicCache, LlamaModel
 
 from bench.common import device_name, environment, parser, peak_rss_bytes, percentiles, print_table, save_outputs, timed
 from s2s import ModelConfig, PagedBatch, S2SModel, placement
-from s2s.cuda_graphs import DecodeGraphs
+from s2s.runner.cuda_graphs import DecodeGraphs
 
 PAGE_SIZE = 16
 

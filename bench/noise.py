@@ -21,10 +21,9 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 
-from server.audio import load_wav
-from server.speech import synthesize
+from codec.pcm import SAMPLE_RATE, from_pcm16, load_wav, to_pcm16
+from speech.sample import synthesize
 
-RATE = 24000
 KINDS = ("babble", "street", "pink", "music", "far_speaker")
 LEVELS_DBFS = {"babble": -35.0, "street": -33.0, "pink": -38.0, "music": -32.0, "far_speaker": -36.0}
 USER_DBFS = -20.0
@@ -45,16 +44,16 @@ def noise(kind: str, seconds: float, seed: int = 0) -> np.ndarray:
     """`seconds` of `kind` (one of `KINDS`), the same for the same arguments (cached)."""
     if kind not in KINDS:
         raise ValueError(f"unknown noise {kind!r}; choose from {KINDS}")
-    path = CACHE / f"{kind}-{seconds:g}s-{seed}.npy"
+    path = CACHE / f"{kind}-{seconds:g}s-{seed}.pcm16"
     if path.exists():
-        return np.load(path).astype(np.float32) / 32767
+        return from_pcm16(path.read_bytes())
     rng = np.random.default_rng([seed, KINDS.index(kind)])
-    n = int(seconds * RATE)
+    n = int(seconds * SAMPLE_RATE)
     x = {"babble": _babble, "street": _street, "pink": _pink, "music": _music, "far_speaker": _far}[kind](n, rng)
-    pcm16 = np.round(at_level(x[:n], LEVELS_DBFS[kind]) * 32767).astype(np.int16)
+    pcm16 = to_pcm16(at_level(x[:n], LEVELS_DBFS[kind]))
     CACHE.mkdir(parents=True, exist_ok=True)
-    np.save(path, pcm16)
-    return pcm16.astype(np.float32) / 32767
+    path.write_bytes(pcm16)
+    return from_pcm16(pcm16)
 
 
 def at_level(x: np.ndarray, dbfs: float) -> np.ndarray:
@@ -90,12 +89,12 @@ def speak(engine: str, voice: str, text: str) -> np.ndarray:
 def talker(n: int, voice: tuple[str, str], rng: np.random.Generator, clips: int = 12) -> np.ndarray:
     """One person talking on and off for `n` samples: clips of random sentences with pauses of 0.2 to 2 s."""
     pool = [speak(*voice, random_sentence(rng)) for _ in range(clips)]
-    out = np.zeros(n + RATE * 10, np.float32)
-    at = int(rng.integers(0, RATE * 2))
+    out = np.zeros(n + SAMPLE_RATE * 10, np.float32)
+    at = int(rng.integers(0, SAMPLE_RATE * 2))
     while at < n:
         clip = pool[int(rng.integers(len(pool)))]
         out[at : at + len(clip)] += clip
-        at += len(clip) + int(rng.uniform(0.2, 2.0) * RATE)
+        at += len(clip) + int(rng.uniform(0.2, 2.0) * SAMPLE_RATE)
     return out[:n]
 
 
@@ -117,17 +116,17 @@ def _street(n: int, rng: np.random.Generator) -> np.ndarray:
     out = sox_synth(n, "brownnoise", rng) * 0.5
     rumble = sox(sox_synth(n, "pinknoise", rng), ["lowpass", "800"])
     at = rng.exponential(6.0)
-    while at < n / RATE:  # a car passing: filtered noise swelling over 2 to 5 s
+    while at < n / SAMPLE_RATE:  # a car passing: filtered noise swelling over 2 to 5 s
         length = rng.uniform(2, 5)
-        a, b = int(at * RATE), min(n, int((at + length) * RATE))
-        env = (1 - np.abs(np.arange(a, b) / RATE - at - length / 2) / (length / 2)) ** 2
+        a, b = int(at * SAMPLE_RATE), min(n, int((at + length) * SAMPLE_RATE))
+        env = (1 - np.abs(np.arange(a, b) / SAMPLE_RATE - at - length / 2) / (length / 2)) ** 2
         out[a:b] += rumble[a:b] * env * rng.uniform(1.0, 3.0)
         at += length + rng.exponential(6.0)
     at = rng.exponential(15.0)
-    while at < n / RATE:  # a horn: two tones with harmonics, 0.2 to 0.8 s, sometimes twice
+    while at < n / SAMPLE_RATE:  # a horn: two tones with harmonics, 0.2 to 0.8 s, sometimes twice
         for _ in range(int(rng.integers(1, 3))):
-            a, length = int(at * RATE), rng.uniform(0.2, 0.8)
-            tt = np.arange(int(length * RATE)) / RATE
+            a, length = int(at * SAMPLE_RATE), rng.uniform(0.2, 0.8)
+            tt = np.arange(int(length * SAMPLE_RATE)) / SAMPLE_RATE
             f = rng.uniform(350, 450)
             tone = sum(np.sign(np.sin(2 * np.pi * f * r * tt)) / k for k, r in enumerate((1, 1.26), 1))
             tone = tone * np.minimum(1, np.minimum(tt, tt[::-1]) / 0.02) * 0.3
@@ -138,15 +137,15 @@ def _street(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def _music(n: int, rng: np.random.Generator) -> np.ndarray:
-    out, at = np.zeros(n + RATE * 4, np.float32), 0
+    out, at = np.zeros(n + SAMPLE_RATE * 4, np.float32), 0
     while at < n:  # a piece: 8 to 30 s in one key and tempo
         key, beat = int(rng.integers(-6, 6)), 60 / rng.uniform(70, 140)
         scale = np.array([0, 2, 4, 5, 7, 9, 11, 12])
-        end = at + int(rng.uniform(8, 30) * RATE)
+        end = at + int(rng.uniform(8, 30) * SAMPLE_RATE)
         while at < end and at < n:
             root = int(rng.choice([0, 5, 7, 9]))  # I, IV, V, vi
             chord = [root, root + (3 if root == 9 else 4), root + 7]
-            length = int(2 * beat * RATE)
+            length = int(2 * beat * SAMPLE_RATE)
             for semis in chord:
                 out[at : at + length] += _note(220 * 2 ** ((key + semis) / 12), length, "pluck") * 0.25
             for b in range(4):  # the melody: eighth notes, a sung tone with vibrato, now and then a rest
@@ -159,7 +158,7 @@ def _music(n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def _note(freq: float, length: int, timbre: str) -> np.ndarray:
-    t = np.arange(length) / RATE
+    t = np.arange(length) / SAMPLE_RATE
     if timbre == "sung":
         phase = 2 * np.pi * freq * t + 0.02 * freq / 5.5 * np.sin(2 * np.pi * 5.5 * t)  # 2 % vibrato at 5.5 Hz
         env = np.minimum(1, np.minimum(t, t[::-1]) / 0.03)
@@ -173,7 +172,20 @@ def sox_synth(n: int, kind: str, rng: np.random.Generator) -> np.ndarray:
     _need_sox()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "n.wav"
-        cmd = ["sox", "-R", "-n", "-r", str(RATE), "-c", "1", "-b", "16", str(out), "synth", f"{n / RATE + 1:.3f}"]
+        cmd = [
+            "sox",
+            "-R",
+            "-n",
+            "-r",
+            str(SAMPLE_RATE),
+            "-c",
+            "1",
+            "-b",
+            "16",
+            str(out),
+            "synth",
+            f"{n / SAMPLE_RATE + 1:.3f}",
+        ]
         subprocess.run(cmd + [kind], check=True, capture_output=True)
         x = load_wav(out)
     return np.roll(x, int(rng.integers(len(x))))[:n]  # each seed starts sox's one sequence somewhere else
@@ -185,7 +197,7 @@ def sox(x: np.ndarray, effects: list[str]) -> np.ndarray:
     with tempfile.TemporaryDirectory() as tmp:
         src, out = Path(tmp) / "in.wav", Path(tmp) / "out.wav"
         peak = float(np.abs(x).max()) or 1.0
-        sf.write(str(src), x / peak * 0.5, RATE, subtype="FLOAT")
+        sf.write(str(src), x / peak * 0.5, SAMPLE_RATE, subtype="FLOAT")
         subprocess.run(["sox", str(src), str(out), *effects], check=True, capture_output=True)
         y = load_wav(out) * peak * 2
     return np.pad(y, (0, max(0, len(x) - len(y))))[: len(x)]

@@ -1,25 +1,26 @@
 """The endpointer offline, faster than real time: its turn ends over noise with the user's sentences in it.
 
 A `Track` is `seconds` of one noise kind (`bench/noise.py`) with one of the bench's sentences (espeak-ng, at the
-user's level) every `every_s` seconds or so. `endpoint(track, cfg)` runs `server/vad.py`'s `Endpointer` over it in
-80 ms blocks, as the server does, and returns its `Timeline`: every event, each end of turn labelled real (its
-turn overlaps a sentence) or spurious, and what flood control dropped. `spurious_row` makes one row of the
+user's level) every `every_s` seconds or so. `endpoint(track, cfg)` runs `server/vad/endpointer.py`'s `Endpointer`
+over it in 80 ms blocks, as the server does, and returns its `Timeline`: every event, each end of turn labelled real
+(its turn overlaps a sentence) or spurious, and what flood control dropped. `spurious_row` makes one row of the
 "turns per session-hour" table.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from bench.common import SENTENCES, percentiles
 from bench.noise import noise, user_speech
-from server.protocol import BLOCK
-from server.vad import Endpointer, TurnScore, VadConfig
+from codec.pcm import SAMPLE_RATE
+from server.moshi.protocol import BLOCK
+from server.vad.config import TurnScore, VadConfig
+from server.vad.endpointer import Endpointer
 
-RATE = 24000
-BLOCK_S = BLOCK / RATE
+BLOCK_S = BLOCK / SAMPLE_RATE
 PLAIN = VadConfig(min_speech_s=0, min_confidence=0, resume_s=0)  # the endpointer before flood control
 
 
@@ -31,7 +32,7 @@ class Track:
 
     @property
     def seconds(self) -> float:
-        return len(self.pcm) / RATE
+        return len(self.pcm) / SAMPLE_RATE
 
     def noise_hours(self) -> float:
         return (self.seconds - sum(b - a for a, b in self.sentences)) / 3600
@@ -45,10 +46,10 @@ def track(kind: str, seconds: float, every_s: float, seed: int = 0) -> Track:
     sentences, at = [], rng.uniform(5, 5 + every_s)
     while at + 10 < seconds:
         clip = clips[int(rng.integers(len(clips)))]
-        a = int(at * RATE)
+        a = int(at * SAMPLE_RATE)
         pcm[a : a + len(clip)] += clip
-        sentences.append((at, at + len(clip) / RATE))
-        at += len(clip) / RATE + every_s * rng.uniform(0.75, 1.25)
+        sentences.append((at, at + len(clip) / SAMPLE_RATE))
+        at += len(clip) / SAMPLE_RATE + every_s * rng.uniform(0.75, 1.25)
     return Track(kind, np.clip(pcm, -1, 1), sentences)
 
 
@@ -90,11 +91,11 @@ class _Recorder:
 
 def endpoint(tr: Track, cfg: VadConfig) -> Timeline:
     recorder = _Recorder()
-    vad = Endpointer(replace(cfg, gate=recorder))
+    vad = Endpointer(cfg, recorder)
     spans = np.array(tr.sentences).reshape(-1, 2)
     events, started, speaking = [], 0.0, 0
     for a in range(0, len(tr.pcm) - BLOCK + 1, BLOCK):
-        t = (a + BLOCK) / RATE
+        t = (a + BLOCK) / SAMPLE_RATE
         for kind in vad.push(tr.pcm[a : a + BLOCK]):
             if kind == "speech_start":
                 started = t - BLOCK_S

@@ -26,13 +26,13 @@ import numpy as np
 
 from bench.common import environment, parser, print_table, save_outputs
 from codec import BANDWIDTHS, EncodecTokenizer
+from codec.pcm import SAMPLE_RATE
 from s2s import Engine, EngineConfig, S2SModel
-from s2s.weights import shipped
+from s2s.models.shipped import shipped
 from server.app import ChatServer, ServerOptions
-from server.client import talk
+from server.moshi.client import talk
 from speech import oracle
 from speech.sentences import training_sentences
-from speech.voices import RATE as SAMPLE_RATE
 from speech.voices import TRAIN_VOICES, say
 
 CACHE_MODES = ("naive", "paged", "exact", "radix")

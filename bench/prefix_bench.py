@@ -61,7 +61,7 @@ from bench.prefix.workloads import (
     shared_scripts,
     workload_plan,
 )
-from s2s.engine import EngineConfig
+from s2s.engine.engine import EngineConfig
 
 # what other benchmarks (scheduler_bench), the tests and RESULTS.md's scripts import from here
 __all__ = [

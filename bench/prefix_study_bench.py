@@ -34,8 +34,8 @@ from bench.common import RESULTS_DIR, environment, parser, print_table, save_out
 from cache import PagePool, RadixCache
 from codec import EncodecTokenizer
 from s2s import ModelConfig, SamplingParams
-from s2s.session import Session
-from server.speech import synthesize
+from s2s.engine.session import Session
+from speech.sample import synthesize
 
 SENTENCE = "Could you book a table for two at the Italian place near the station tonight?"
 PROMPT_SENTENCE = "Hi, I am your assistant."  # a voice prompt: another sentence in another voice

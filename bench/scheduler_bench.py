@@ -4,7 +4,7 @@
 
 In a tick someone waits on (a turn's rest of speech to compute, a reply before its first audio), the scheduler gives
 work nobody waits on (voice prompts, speech computed while its user still talks) at most `background_budget` steps
-(`EngineConfig.background_budget`, `s2s/scheduler.py`). This measures what that buys and costs, on the prefix
+(`EngineConfig.background_budget`, `s2s/scheduling/scheduler.py`). This measures what that buys and costs, on the prefix
 benchmark's own workloads, engines and driver (`bench/prefix_bench.py`): `shared` at 60 % (Poisson arrivals, where
 background prompts and waiting users overlap) and `pressure` with admission control (the long conversations' p95
 TTFA during a burst of new ones against before it). The default budgets are 16 (one page, the engine's default) and
@@ -49,7 +49,7 @@ from bench.prefix_bench import (
     warm_up,
     with_intervals,
 )
-from s2s.engine import EngineConfig
+from s2s.engine.engine import EngineConfig
 
 SHARED_FRACTION = 0.6
 WORKLOADS = ("shared", "pressure")

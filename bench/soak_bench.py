@@ -14,10 +14,10 @@ with a microphone that streams silence between them, barge-ins over a reply, one
 muted, under the server's idle timeout; duplex: streamed silence, or muted with `--duplex-mute`), and a close frame
 or an aborted TCP connection at the end, some while a reply plays.
 
-Every `--sample-s` seconds a row: the server's RSS (VmRSS), K/V pages by state, conversations, tick time (mean
-over the interval from the busy and tick counters: /metrics' p50 and p95 gauges cover the last 1000 ticks, whatever
-the interval), deadline misses, first-audio latency of turns (client side: end of the user's speech to the first
-reply audio; and the server's own stamps), refusals and errors the clients saw. The targets (issue 20): RSS
+Every `--sample-s` seconds a row: the server's RSS (VmRSS), K/V pages by state, conversations, tick time (mean and
+p95 over the interval, from the busy and tick counters and /metrics' tick time histogram), deadline misses,
+first-audio latency of turns (client side: end of the user's speech to the first reply audio; and the server's own
+stamps), refusals and errors the clients saw. The targets (issue 20): RSS
 growth after warm-up under 5 % (idle RSS between waves), pages back to baseline between waves (free +
 cached_evictable == every usable page), no deadline miss, p95 first audio in the last 5 minutes within 10 % of
 the first 5, no leaked page once all clients left (and the engine's idle page check passed), and no line naming an
@@ -56,10 +56,9 @@ from bench.soak.load import Load, at_baseline, pages, probe, settle
 from bench.soak.plans import QUICK_MIX, Mix
 from bench.soak.report import WAVE_COLUMNS, log_errors, plot, targets, wave_rows
 from bench.soak.sampler import Sampler
-from codec.pcm import SAMPLE_RATE
-from server.audio import save_wav
+from codec.pcm import SAMPLE_RATE, save_wav
 from server.process import ServerProcess
-from server.speech import have_espeak, speech, synthesize
+from speech.sample import have_espeak, speech, synthesize
 
 VOICES = {"alice": ("en-us", "Hi, I am Alice. How can I help you today?"), "bob": ("en-gb", "Hello, this is Bob.")}
 PER_CLIENT_OPTION = "--max-conversations-per-client"  # being added to the server: all clients come from 127.0.0.1

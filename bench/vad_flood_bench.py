@@ -3,8 +3,8 @@
     s2s bench vad-flood [--quick] [--json PATH] [--plot PATH] [--levels 10,25,50,100,200] [--seconds 50]
 
 Two stages, so that 200 sessions fit a 2-core machine honestly:
-1. Offline, faster than real time: `server/vad.py`'s `Endpointer` (Silero) runs over `--track-s` seconds of each
-   noise kind (`bench/noise.py`: babble, street, pink, music, a far speaker) with one of the bench's sentences
+1. Offline, faster than real time: `server/vad/endpointer.py`'s `Endpointer` (Silero) runs over `--track-s` seconds
+   of each noise kind (`bench/noise.py`: babble, street, pink, music, a far speaker) with one of the bench's sentences
    (espeak-ng, 15 to 20 dB over the noise) every `--turn-every` seconds or so, once as it was before flood control
    (`PLAIN`: every stretch of speech is a turn, no take-back) and once with it (`VadConfig()`). The first table is
    the endpointer's turns per session-hour of noise, by kind: spurious, confident, dropped, taken back; and what
@@ -42,10 +42,10 @@ from tqdm import tqdm
 from bench.common import environment, parser, percentiles, print_table, save_outputs, write_json
 from bench.noise import KINDS
 from bench.noise_turns import BLOCK_S, PLAIN, Timeline, VadEvent, endpoint, spurious_row, track
+from codec.pcm import FRAME_S
 from s2s import CodesEvent, Engine, EngineConfig, ModelConfig, S2SModel, SamplingParams
-from s2s.config import FRAME_S
-from server.turn_gate import TurnGate
-from server.vad import VadConfig
+from server.vad.config import VadConfig
+from server.vad.turn_gate import TurnGate
 
 FRAMES_PER_BLOCK = round(BLOCK_S / FRAME_S)  # 6: a client's 80 ms block
 DRAIN_S = 2.0  # no events this close to a session's end: every turn has time for its first audio

@@ -20,10 +20,9 @@ from tqdm import tqdm
 
 from bench.browser import open_page
 from bench.common import environment, parser, percentiles, print_table, save_outputs
-from codec.pcm import SAMPLE_RATE
-from server.audio import save_wav
+from codec.pcm import SAMPLE_RATE, save_wav
 from server.process import ServerProcess
-from server.speech import synthesize
+from speech.sample import synthesize
 
 SENTENCES = [
     "Hello there, can you hear me?",

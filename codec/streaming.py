@@ -26,15 +26,37 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from codec.stream_layers import State
+from codec.stream_layers import State, StreamingNet
 
-if TYPE_CHECKING:
-    from codec.tokenizer import EncodecTokenizer
+
+class StreamingCodec(Protocol):
+    """What streaming takes of a tokenizer (`codec.tokenizer.EncodecTokenizer`): its nets as layer steps, its
+    quantizer, and its input checks."""
+
+    frame_size: int
+    num_codebooks: int
+    encoder_warmup_frames: int  # frames the encoder's left edge looks ahead
+    decoder_warmup_frames: int  # ... and the decoder's
+    encoder_net: StreamingNet
+    decoder_net: StreamingNet
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def check_pcm_rows(
+        self, pcm: torch.Tensor | np.ndarray | Sequence, sample_rate: int | None = None
+    ) -> list[np.ndarray]: ...
+
+    def check_codes(self, codes: torch.Tensor | np.ndarray) -> torch.Tensor: ...
+
+    def quantize(self, latent: torch.Tensor) -> torch.Tensor: ...
+
+    def dequantize(self, codes: torch.Tensor) -> torch.Tensor: ...
 
 
 def gather_rows(state: State, idx: torch.Tensor) -> State:
@@ -102,7 +124,7 @@ class StreamingEncoder:
     codes come out as its 320th sample arrives. `batch_invariant`: see the module docstring.
     """
 
-    def __init__(self, tokenizer: EncodecTokenizer, batch_size: int, batch_invariant: bool = False):
+    def __init__(self, tokenizer: StreamingCodec, batch_size: int, batch_invariant: bool = False):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.tok = tokenizer
@@ -120,7 +142,7 @@ class StreamingEncoder:
         self._started[row] = False
 
     def use_graphs(self, graphs) -> None:
-        """Steady pushes through `graphs` (`s2s.codec_graphs.CodecGraphs`), whose buffer holds the rows' state."""
+        """Steady pushes through `graphs` (`s2s.runner.codec_graphs.CodecGraphs`), whose buffer holds their state."""
         self._states.use(graphs.use_rows(self.batch_size))
         self.graphs = graphs
 
@@ -178,7 +200,7 @@ class StreamingDecoder:
     `batch_invariant`: see the module docstring.
     """
 
-    def __init__(self, tokenizer: EncodecTokenizer, batch_size: int, batch_invariant: bool = False):
+    def __init__(self, tokenizer: StreamingCodec, batch_size: int, batch_invariant: bool = False):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.tok = tokenizer
@@ -199,7 +221,7 @@ class StreamingDecoder:
         self._frames[row] = 0
 
     def use_graphs(self, graphs) -> None:
-        """Steady pushes through `graphs` (`s2s.codec_graphs.CodecGraphs`), whose buffer holds the rows' state."""
+        """Steady pushes through `graphs` (`s2s.runner.codec_graphs.CodecGraphs`), whose buffer holds their state."""
         self._states.use(graphs.use_rows(self.batch_size))
         self.graphs = graphs
 

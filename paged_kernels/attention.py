@@ -36,7 +36,7 @@ def store_kv(
 ) -> None:
     """Write new keys/values `[N, kv_heads, head_dim]` into their slots of one layer's page pool."""
     if _use_triton(k):
-        from paged_kernels import triton_attention
+        from paged_kernels import triton_attention  # (imported where it runs: Triton's import is slow, and GPU-only)
 
         triton_attention.store_kv(k, v, k_cache, v_cache, slot_mapping)
     else:
@@ -59,7 +59,7 @@ def paged_attention(
     Layouts are in `paged_kernels/reference.py`. Returns `[N, q_heads, head_dim]` in q's dtype.
     """
     if _use_triton(q):
-        from paged_kernels import triton_attention as impl
+        from paged_kernels import triton_attention as impl  # (as in `store_kv`)
     elif _backend == "auto" and q.device.type == "cpu":
         return cpu_attention.paged_attention(
             q, k_cache, v_cache, page_table, cu_seqlens_q, seqlens_k, causal, sliding_window, scale

@@ -8,22 +8,21 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from s2s.placement import placement  # eager: the function, not its module of the same name, is `s2s.placement`
-
 _HOMES = {
-    "PagedBatch": "s2s.batch",
-    "EngineConfig": "s2s.config",
-    "ModelConfig": "s2s.config",
-    "Engine": "s2s.engine",
-    "AudioEvent": "s2s.events",
-    "CodesEvent": "s2s.events",
-    "MetaEvent": "s2s.events",
-    "EngineSnapshot": "s2s.metrics",
-    "S2SModel": "s2s.model",
-    "StepOutput": "s2s.model",
-    "Refused": "s2s.registry",
-    "SamplingParams": "s2s.sampling",
-    "sample": "s2s.sampling",
+    "PagedBatch": "s2s.runner.batch",
+    "EngineConfig": "s2s.engine.config",
+    "ModelConfig": "s2s.models.config",
+    "Engine": "s2s.engine.engine",
+    "AudioEvent": "s2s.engine.events",
+    "CodesEvent": "s2s.engine.events",
+    "MetaEvent": "s2s.engine.events",
+    "EngineSnapshot": "s2s.engine.metrics",
+    "S2SModel": "s2s.models.model",
+    "StepOutput": "s2s.models.model",
+    "Refused": "s2s.engine.registry",
+    "SamplingParams": "s2s.runner.sampling",
+    "sample": "s2s.runner.sampling",
+    "placement": "s2s.runner.placement",
 }
 
 __all__ = [
@@ -44,14 +43,16 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from s2s.batch import PagedBatch
-    from s2s.config import EngineConfig, ModelConfig
-    from s2s.engine import Engine
-    from s2s.events import AudioEvent, CodesEvent, MetaEvent
-    from s2s.metrics import EngineSnapshot
-    from s2s.model import S2SModel, StepOutput
-    from s2s.registry import Refused
-    from s2s.sampling import SamplingParams, sample
+    from s2s.engine.config import EngineConfig
+    from s2s.engine.engine import Engine
+    from s2s.engine.events import AudioEvent, CodesEvent, MetaEvent
+    from s2s.engine.metrics import EngineSnapshot
+    from s2s.engine.registry import Refused
+    from s2s.models.config import ModelConfig
+    from s2s.models.model import S2SModel, StepOutput
+    from s2s.runner.batch import PagedBatch
+    from s2s.runner.placement import placement
+    from s2s.runner.sampling import SamplingParams, sample
 
 
 def __getattr__(name: str) -> object:

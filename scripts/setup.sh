@@ -13,7 +13,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     command -v haproxy >/dev/null || missing="$missing haproxy"
     command -v flite >/dev/null || missing="$missing flite"  # flite and festival: training voices (s2s train)
     command -v text2wave >/dev/null || missing="$missing festival festvox-us-slt-hts"
-    ldconfig -p | grep libopus.so.0 >/dev/null || missing="$missing libopus0"  # the server's Opus encoder (server/ogg_opus.py)
+    ldconfig -p | grep libopus.so.0 >/dev/null || missing="$missing libopus0"  # the server's Opus encoder (server/moshi/ogg_opus.py)
     if [ -n "$missing" ]; then
         apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null \
             || echo "setup: could not install$missing; tests fall back to the speech sample, the cluster's skip" >&2

@@ -2,46 +2,50 @@
 /web/, and /api/voices for its settings) on one port.
 
 Each websocket path is a protocol on the connection core (`server/connection.py`): /api/chat is Moshi's
-(`server/moshi.py`), /v1/realtime OpenAI's Realtime API (`server/realtime/`), one conversation in the engine per
-connection. Bad input gets an error message or is dropped,
-never a crash and never an effect on another connection; a connection that goes away at any moment closes its
-conversation, which frees its pages. Who may connect is decided in one place, `refusal`, for every protocol and
-for the servers built on this one (the cascade); how many conversations one client may hold at once, by one
-`PerClient` for the whole server.
+(`server/moshi/endpoint.py`), /v1/realtime OpenAI's Realtime API (`server/realtime/`), one conversation in the engine
+per connection. Bad input gets an error message or is dropped, never a crash and never an effect on another
+connection; a connection that goes away at any moment closes its conversation, which frees its pages. Who may
+connect is decided in one place, `refusal`, for every protocol and for the servers built on this one (the cascade);
+how many conversations one client may hold at once, by one `PerClient` for the whole server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import itertools
 import json
 import os
+import signal
 import ssl
 import urllib.parse
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.utils import floatToGoString
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
 from s2s import SamplingParams
+from s2s.engine.metrics import TICK_BUCKETS
 from server.connection import Endpoint, Limits, PerClient, serve_connection
-from server.moshi import MoshiEndpoint
+from server.gc_pause import freeze_startup_heap
+from server.moshi.endpoint import MoshiEndpoint
 from server.realtime import RealtimeEndpoint
-from server.turn_gate import TurnGate
 from server.turn_metrics import TurnMetrics
-from server.vad import VadConfig
+from server.vad.config import VadConfig
+from server.vad.turn_gate import TurnGate
 
 if TYPE_CHECKING:
     from s2s import Engine
-    from server.engine_client import EngineClient
+    from server.frontends.engine_client import EngineClient
 
 WEB_DIR = Path(__file__).parent / "web"
 WEB_FILES = {  # the page's files and their types
@@ -143,11 +147,9 @@ class _EngineCollector:
         for phase, seconds in stats.phase_seconds.items():
             phases.add_metric([phase], seconds)
         yield phases
-        ticks = list(stats.tick_seconds)[-1000:]
-        if ticks:
-            yield GaugeMetricFamily("s2s_tick_seconds_p50", "tick time p50, last 1000", value=float(np.median(ticks)))
-            p95 = float(np.percentile(ticks, 95))
-            yield GaugeMetricFamily("s2s_tick_seconds_p95", "tick time p95, last 1000", value=p95)
+        bounds = [*map(floatToGoString, TICK_BUCKETS), "+Inf"]
+        buckets = list(zip(bounds, itertools.accumulate(stats.tick_buckets), strict=True))
+        yield HistogramMetricFamily("s2s_tick_seconds", "tick time", buckets=buckets, sum_value=stats.busy_seconds)
         yield CounterMetricFamily("s2s_kv_checks", "page integrity checks (run when idle)", value=stats.kv_checks)
         yield CounterMetricFamily(
             "s2s_kv_check_failures", "page integrity checks that failed", value=stats.kv_check_failures
@@ -172,11 +174,11 @@ class ChatServer:
             MultiProcessCollector(self.registry)
             counters = CollectorRegistry()
         self.gate = TurnGate(engine, self.options.vad, counters)  # every connection's VAD turn ends pass through it
-        vad = replace(self.options.vad, gate=self.gate)
         self.turns = TurnMetrics(counters)
+        vad, name = self.options.vad, self.options.served_model_name
         self.endpoints: dict[str, Endpoint] = {
-            "/api/chat": MoshiEndpoint(engine, vad, self.turns),
-            "/v1/realtime": RealtimeEndpoint(engine, vad, self.options.served_model_name, self.turns),
+            "/api/chat": MoshiEndpoint(engine, vad, self.gate, self.turns),
+            "/v1/realtime": RealtimeEndpoint(engine, vad, self.gate, name, self.turns),
         }
         self.registry.register(_EngineCollector(self))
         self.clients = clients or PerClient(
@@ -275,3 +277,27 @@ class ChatServer:
         endpoint = self.endpoints[urllib.parse.urlsplit(ws.request.path).path]
         limits, replica = self.options.limits, self.options.replica_id
         await serve_connection(ws, endpoint, limits, self.clients, replica, self.turns.dropped)
+
+
+def serving_line(options: ServerOptions, port: int) -> str:
+    """What a server prints once it listens (`ServerProcess` waits for it)."""
+    host, s = options.host, "s" if options.ssl_certfile else ""
+    return f"serving ws{s}://{host}:{port}/api/chat  (http{s}://{host}:{port}/ the page, /healthz, /metrics)"
+
+
+async def serve_until_sigterm(server: ChatServer, note: Callable[[], str] | None = None) -> None:
+    """Start `server`, print `note()` (if any) and the "serving" line `ServerProcess` waits for, serve until
+    SIGTERM, then stop it. SIGUSR1 drains it (`ChatServer.drain`: `s2s cluster drain`)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)  # `ServerProcess` stops it so
+    loop.add_signal_handler(signal.SIGUSR1, server.drain)
+    port = await server.start()
+    freeze_startup_heap()  # the process is a server from here: see server/gc_pause.py
+    try:
+        if note is not None:
+            print(note())
+        print(serving_line(server.options, port), flush=True)
+        await stop.wait()
+    finally:
+        await server.stop()

@@ -9,19 +9,19 @@ before the upgrade: `ChatServer`'s `busy`):
    refusal that the server could not foresee before the upgrade (the cascade's speech-to-text, or a race with
    another connection) is told "refused: REASON" and closed with 1013 and the reason.
 3. `wire.opened(session.info)` goes out, with the id of the replica that serves it if it has one (`s2s cluster`);
-   the receive loop reads messages until the client goes: the wire parses
-   each into `Audio`, `EndTurn`, `Stream` or `Request` (a bad one is told and dropped). Audio goes on in slices of
-   80 ms, each paced in real time: past the burst, a long message is fed over as long as it lasts, not in one tick,
-   and no more of it once the client is gone. Each slice runs through the session's VAD, if it has one (its
-   settings may change between messages), where speech over a reply is a barge-in with what the client has heard
-   (`Playback`) and silence after speech ends the turn. A protocol's own requests (`Request`: the Realtime API's
-   events) go to the session. Messages and their bytes are paced too, whether or not they parse.
-   A client that sends no audio for `Limits.idle_timeout_s` (counted from open; a reply still playing to it is
-   not idle) is told "idle: ..." and closed with 1008.
+   the receive loop reads messages until the client goes: the wire parses each into `Audio`, `EndTurn`, `Stream` or
+   `Request` (`server/protocols.py`; a bad one is told and dropped). Audio goes on in slices of 80 ms, each paced in
+   real time: past the burst, a long message is fed over as long as it lasts, not in one tick, and no more of it
+   once the client is gone. Each slice runs through the session's VAD, if it has one (its settings may change
+   between messages), where speech over a reply is a barge-in with what the client has heard (`Playback`) and
+   silence after speech ends the turn (if the session's gate lets it cost a reply now). A protocol's own requests
+   (`Request`: the Realtime API's events) go to the session. Messages and their bytes are paced too, whether or not
+   they parse. A client that sends no audio for `Limits.idle_timeout_s` (counted from open; a reply still playing
+   to it is not idle) is told "idle: ..." and closed with 1008.
 4. However the socket ended, the session closes.
 
 A session sends from tasks of its own through `Connection`: `send_audio` (which `Playback` counts), `send_event`,
-`send_error`. `server/session.py` has the engine's side (the one bridge from engine events to asyncio).
+`send_error`. `server/engine_session.py` has the engine's side (the one bridge from engine events to asyncio).
 """
 
 from __future__ import annotations
@@ -43,82 +43,9 @@ from websockets.protocol import State
 
 from codec.pcm import FRAME_SIZE, SAMPLE_RATE
 from s2s import Refused
-from server.protocol import BLOCK, ProtocolError, StreamError
-from server.vad import Endpointer, VadConfig
-
-Message = bytes | str
-
-
-@dataclass
-class Audio:
-    pcm: np.ndarray  # float32, 24 kHz
-
-
-@dataclass
-class EndTurn:
-    """The user says they are done speaking (turn mode)."""
-
-
-@dataclass
-class Request:
-    """A protocol's own request, for its session (`Session.request`): a Realtime API client event (`event["type"]`
-    names it)."""
-
-    event: dict
-
-
-@dataclass
-class Stream:
-    """The client starts, pauses or restarts the conversation's stream (Moshi's controls 0, 2 and 3)."""
-
-    action: str  # "start", "pause" or "restart"
-
-
-class Wire(Protocol):
-    """One connection's framing: Moshi's kind bytes (`server/moshi.py`), or the Realtime API's JSON events."""
-
-    audio_bytes_per_s: float  # what real-time audio costs on this wire (pcm16, base64 pcm16): pacing's byte bound
-    framing_bytes: int  # a message's bytes besides its audio, at most, for an honest client
-
-    def handshake(self) -> Message | None: ...
-
-    def opened(self, info: dict) -> Message: ...
-
-    def parse(self, message: Message) -> Audio | EndTurn | Stream | Request | None:
-        """What a client message asks for; None for one to ignore. Raises `ProtocolError` (told to the client)."""
-
-    def audio(self, pcm: np.ndarray) -> list[Message]: ...
-
-    def event(self, data: dict) -> Message: ...
-
-    def error(self, text: str, code: str = "invalid_request") -> Message: ...
-
-
-class Session(Protocol):
-    """What answers a connection: a conversation in the engine (`server/session.py`), or the cascade's pipeline."""
-
-    info: dict  # told to the client once open (`Wire.opened`)
-    vad: VadConfig | None  # endpointing on its audio (turn mode), or None; read before each slice of audio
-
-    async def barge_in(self, played_frames: int) -> None:
-        """The VAD heard speech start: a barge-in where a reply plays (what the client heard of it stays)."""
-
-    def audio(self, pcm: np.ndarray) -> None: ...
-
-    async def end_turn(self) -> None:
-        """The user is done: the VAD ended a turn worth a reply, or the client said so (`EndTurn`)."""
-
-    async def speech_ended(self) -> None:
-        """The VAD heard speech end that is no turn (short, unsure, or dropped by the `TurnGate`)."""
-
-    async def request(self, request: Request) -> None:
-        """A protocol's own request (only sessions whose wire makes them); raises `ProtocolError` (told)."""
-
-    async def stream(self, action: str) -> None:
-        """`Stream`'s action; raises `ProtocolError` where it is not supported."""
-
-    async def close(self) -> None: ...
-
+from server.moshi.protocol import BLOCK, ProtocolError, StreamError
+from server.protocols import Audio, EndTurn, Message, Request, Session, Stream, Wire
+from server.vad.endpointer import Endpointer
 
 Opener = Callable[["Connection"], Awaitable[Session]]
 
@@ -359,7 +286,9 @@ async def _receive(conn: Connection, session: Session, limits: Limits) -> None:
                 if a and conn.ws.state is not State.OPEN:  # the client went while its message waited: the rest goes
                     return
                 if (vad.cfg if vad else None) is not session.vad:  # the first audio, or new settings
-                    vad = await asyncio.to_thread(Endpointer, session.vad) if session.vad is not None else None
+                    vad = None
+                    if session.vad is not None:
+                        vad = await asyncio.to_thread(Endpointer, session.vad, session.gate)
                 heard = await asyncio.to_thread(vad.push, pcm) if vad is not None else []
                 if "speech_start" in heard:  # a barge-in if a reply is playing (a no-op otherwise), before this audio
                     await session.barge_in(conn.playback.played_frames())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 class ServerProcess:
     """Start `s2s serve --port 0 ARGS` (or `s2s SUBCOMMAND`, or `python -m MODULE --port 0 ARGS`, another server on
-    `server.cli.serve_until_sigterm`), wait for its "serving" line, give its ws:// URL; stop it on exit. A `--port`
+    `server.app.serve_until_sigterm`), wait for its "serving" line, give its ws:// URL; stop it on exit. A `--port`
     in ARGS wins over 0.
 
     The server's output is kept (`output`) so a failure can show it.

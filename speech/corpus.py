@@ -17,8 +17,9 @@ import numpy as np
 import soundfile
 from tqdm import tqdm
 
+from codec.pcm import SAMPLE_RATE
 from speech.sentences import training_sentences
-from speech.voices import RATE, TRAIN_VOICES, Voice, say
+from speech.voices import TRAIN_VOICES, Voice, say
 
 AUGMENTED = 0.5  # the share of clips augmented
 
@@ -30,7 +31,7 @@ def augment(pcm: np.ndarray, rng: random.Random) -> np.ndarray:
         effects += ["reverb", str(rng.randint(10, 60)), "50", str(rng.randint(20, 100))]
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = Path(tmp) / "in.wav", Path(tmp) / "out.wav"
-        soundfile.write(src, pcm, RATE, subtype="FLOAT")
+        soundfile.write(src, pcm, SAMPLE_RATE, subtype="FLOAT")
         subprocess.run(["sox", str(src), str(dst), *effects], check=True, capture_output=True)
         out, _ = soundfile.read(dst, dtype="float32")
     out = out if out.ndim == 1 else out[:, 0]
@@ -78,7 +79,7 @@ def build_corpus(folder: Path, minutes: float, seed: int, workers: int = 2) -> t
     audio = np.concatenate(clips)
     folder.mkdir(parents=True, exist_ok=True)
     np.save(folder / "audio.npy", audio.astype(np.float16))
-    minutes_made = len(audio) / RATE / 60
+    minutes_made = len(audio) / SAMPLE_RATE / 60
     index_path.write_text(
         json.dumps(
             {"minutes": minutes_made, "seed": seed, "augmented": AUGMENTED, "starts": starts, "clips": len(clips)}

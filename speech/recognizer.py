@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 import soxr
 
+from codec.pcm import SAMPLE_RATE, to_pcm16
+
 RATE = 16000
 
 
@@ -32,17 +34,17 @@ class Recognizer:
         self.decoder.add_jsgf_string("closed", f"#JSGF V1.0;\ngrammar closed;\npublic <s> = {rules} ;\n")
         self.decoder.activate_search("closed")
 
-    def transcribe(self, pcm: np.ndarray, rate: int = 24000) -> str:
+    def transcribe(self, pcm: np.ndarray, rate: int = SAMPLE_RATE) -> str:
         """The sentence of the set that best fits `pcm` (float32), or "" when the search ends nowhere."""
         if len(pcm) == 0:
             return ""  # pocketsphinx fails on an empty buffer, and stays failed
         audio = soxr.resample(np.asarray(pcm, dtype=np.float32), rate, RATE) if rate != RATE else pcm
         self.decoder.start_utt()
-        self.decoder.process_raw((np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes(), False, True)
+        self.decoder.process_raw(to_pcm16(audio), False, True)
         self.decoder.end_utt()
         hyp = self.decoder.hyp()
         return " ".join(hyp.hypstr.split()) if hyp is not None else ""
 
-    def identify(self, pcm: np.ndarray, rate: int = 24000) -> int | None:
+    def identify(self, pcm: np.ndarray, rate: int = SAMPLE_RATE) -> int | None:
         text = self.transcribe(pcm, rate)
         return self.sentences.index(text) if text in self.sentences else None

@@ -15,7 +15,7 @@ import numpy as np
 import soundfile
 import soxr
 
-RATE = 24000
+from codec.pcm import SAMPLE_RATE as RATE  # (under the name s2s/training/train_echo.py imports)
 
 
 @dataclass(frozen=True)

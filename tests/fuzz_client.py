@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from websockets.asyncio.client import connect
 
-from server import protocol
+from server.moshi import protocol
 
 KINDS = st.sampled_from([b"\x00", b"\x01", b"\x02", b"\x03", b"\x04", b"\x05", b"\x06", b"\x07", b"\xff", b""])
 MESSAGE = st.one_of(st.binary(max_size=200), st.builds(lambda k, b: k + b, KINDS, st.binary(max_size=64)))

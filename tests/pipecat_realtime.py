@@ -75,7 +75,11 @@ async def run(url: str, wav: str, mode: str, token: str) -> int:
     runner = WorkerRunner(handle_sigint=False, check_dangling_tasks=False)
     await runner.add_workers(worker)
     running = asyncio.create_task(runner.run())
-    await asyncio.sleep(0.5)  # the service connects on its StartFrame
+    # the service connects on its StartFrame, then sends its session settings: audio before they are in is dropped
+    # (no socket yet) or taken under the server's defaults (its VAD, in manual mode)
+    async with asyncio.timeout(30):
+        while not llm._api_session_ready:
+            await asyncio.sleep(0.02)
     chunk = RATE * 2 // 50  # 20 ms
     for a in range(0, len(pcm), chunk):
         await worker.queue_frame(InputAudioRawFrame(audio=pcm[a : a + chunk], sample_rate=RATE, num_channels=1))

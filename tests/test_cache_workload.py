@@ -9,13 +9,13 @@ import pytest
 from kv_values import step_values
 
 from cache import MODES, OutOfPages, PagePool
-from s2s.config import ModelConfig
-from s2s.context import ContextBound
-from s2s.kv_manager import KVManager
-from s2s.metrics import EngineStats
-from s2s.sampling import SamplingParams
-from s2s.scheduler import Work
-from s2s.session import Session
+from s2s.engine.metrics import EngineStats
+from s2s.engine.session import Session
+from s2s.models.config import ModelConfig
+from s2s.runner.sampling import SamplingParams
+from s2s.scheduling.context import ContextBound
+from s2s.scheduling.kv_manager import KVManager
+from s2s.scheduling.scheduler import Work
 
 LAYERS, HEADS, DIM, PAGE = 2, 2, 4, 4
 MAX_STEPS = 160

@@ -8,23 +8,23 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import numpy as np
 import pytest
+from tests_support import until, wait_until
 
 from bench.cascade import serve
 from bench.cascade.server import CascadeServer
 from bench.cascade.stt import AtCapacity, SttWorkers, Transcriber
 from bench.cascade.text import printable, split_phrase, text_engine_for
 from codec import EncodecTokenizer
+from codec.pcm import load_wav
 from s2s import Engine, EngineConfig, ModelConfig, S2SModel
 from server.app import ServerOptions
-from server.audio import load_wav
-from server.client import talk
-from server.speech import SAMPLE_PATH, speech
+from server.moshi.client import talk
+from speech.sample import SAMPLE_PATH, speech
 
 STAGES = ["endpoint", "stt_done", "llm_first_token", "phrase_ready", "tts_first_audio", "sent"]
 
@@ -45,6 +45,7 @@ def test_phrases_and_printable_bytes() -> None:
     assert len(text) == 300 and set(text) <= set("abcdefghijklmnopqrstuvwxyz ")
 
 
+@pytest.mark.paced  # at real time: alone and last (tests/conftest.py)
 @pytest.mark.parametrize("tts", ["espeak", "engine"])
 def test_cascade_answers_a_turn(tts: str) -> None:
     text_engine, speech_engine = tiny_engines()
@@ -115,6 +116,7 @@ def test_stt_workers_transcribe_as_one_decoder_and_price_streams() -> None:
     asyncio.run(run())
 
 
+@pytest.mark.paced  # at real time: alone and last (tests/conftest.py)
 def test_cascade_refuses_what_its_stt_cannot_take_and_keeps_serving() -> None:
     """Headroom so small that one stream fills a worker: the second connection is refused with the reason, the
     first still gets its reply."""
@@ -165,9 +167,7 @@ def test_a_dead_stt_worker_is_replaced() -> None:
             await doomed.close()
             assert workers.load == [0]
             await kill(workers)  # while no stream calls it: the next open finds it
-            deadline = time.monotonic() + 10
-            while not workers.pools[0]._broken and time.monotonic() < deadline:  # the executor notices it gone
-                await asyncio.sleep(0.05)
+            await until(lambda: workers.pools[0]._broken, 10, "the executor did not notice its worker gone")
             await transcribes(workers)
             assert workers.load == [0]
         finally:
@@ -187,10 +187,7 @@ def test_stt_workers_exit_with_their_server() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     worker = int(out.stdout.split()[-1])
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _alive(worker):
-        time.sleep(0.1)
-    assert not _alive(worker), f"worker {worker} outlived its server"
+    wait_until(lambda: not _alive(worker), 10, f"worker {worker} outlived its server")
 
 
 def _alive(pid: int) -> bool:
@@ -213,12 +210,12 @@ def test_cascade_server_process_stops_cleanly_on_sigterm() -> None:
         assert children, "the STT worker should be a child process of the server"
         assert "speech-to-text: 1 worker(s)" in server.output
     assert server.proc.returncode == 0, server.output
-    deadline = time.monotonic() + 10  # multiprocessing's resource tracker ends once it sees its server gone
-    while time.monotonic() < deadline and any(_alive(c) for c in children):
-        time.sleep(0.1)
-    assert not [c for c in children if _alive(c)], f"STT workers {children} outlived their server"
+    wait_until(  # multiprocessing's resource tracker ends once it sees its server gone
+        lambda: not any(_alive(c) for c in children), 10, lambda: f"STT workers {children} outlived their server"
+    )
 
 
+@pytest.mark.paced  # at real time: alone and last (tests/conftest.py)
 def test_a_conversation_whose_stt_worker_dies_is_told_and_the_next_is_served() -> None:
     text_engine, speech_engine = tiny_engines()
     wav, _ = speech("What is the weather like tomorrow?")
@@ -228,7 +225,8 @@ def test_a_conversation_whose_stt_worker_dies_is_told_and_the_next_is_served() -
         url = f"ws://127.0.0.1:{await server.start()}"
         try:
             doomed = asyncio.create_task(talk(url, wav, "turn", "pcm16", listen_s=30, seed="1"))
-            await asyncio.sleep(0.5)  # streaming into its worker
+            # streaming into its worker
+            await until(lambda: sum(server.stt.load), 30, "the conversation opened no speech-to-text stream")
             loop = asyncio.get_running_loop()
             os.kill(await loop.run_in_executor(server.stt.pools[0], os.getpid), signal.SIGKILL)
             first = await doomed

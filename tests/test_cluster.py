@@ -14,20 +14,22 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from tests_support import until, wait_until
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from server.audio import load_wav, save_wav
-from server.client import talk
+from codec.pcm import load_wav, save_wav, to_pcm16
 from server.cluster.control import ask
 from server.cluster.manager import free_port
+from server.moshi import protocol
+from server.moshi.protocol import Control, Kind, metadata_of
 from server.process import ServerProcess
-from server.protocol import Kind, metadata_of
+
+pytestmark = pytest.mark.paced  # servers at real time: alone and last (tests/conftest.py)
 
 FACTOR = 150  # --balance-factor
 PER_REPLICA = 6  # --max-conversations
@@ -56,7 +58,7 @@ needs_haproxy = pytest.mark.skipif(
 def cluster(tmp_path_factory):
     """A running cluster: (ws:// URL, run folder)."""
     root = tmp_path_factory.mktemp("cluster")
-    speech = load_wav(Path(__file__).parents[1] / "server" / "data" / "speech.wav")
+    speech = load_wav(Path(__file__).parents[1] / "speech" / "data" / "speech.wav")
     (root / "voices").mkdir()
     for i, name in enumerate("abcd"):  # four short voice prompts
         save_wav(root / "voices" / f"{name}.wav", speech[i * 12000 : (i + 1) * 12000])
@@ -73,12 +75,26 @@ def settled(run_dir: Path) -> None:
     then a conversation that follows at once can be placed off its voice's replica: HAProxy counts closed connections
     in the balance factor's load (an empty cluster bounds each replica at 1), and a replica that was full a moment ago
     (closed conversations leave its engine a tick later) is DOWN until its next health check."""
-    for _ in range(400):
-        replicas = list(ask(run_dir / "control.sock", {"command": "status"}))[-1]["result"]["replicas"]
-        if all(r["state"] == "UP" and r.get("conversations") == 0 and not r["connections"] for r in replicas):
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"the cluster did not settle: {replicas}")
+    wait_until(
+        lambda: all(
+            r["state"] == "UP" and r.get("conversations") == 0 and not r["connections"] for r in replicas(run_dir)
+        ),
+        20,
+        lambda: f"the cluster did not settle: {replicas(run_dir)}",
+    )
+
+
+def replicas(run_dir: Path) -> list[dict]:
+    """The cluster's status, asked on its control socket (no CLI process)."""
+    return list(ask(run_dir / "control.sock", {"command": "status"}))[-1]["result"]["replicas"]
+
+
+def state_of(run_dir: Path, name: str) -> str | None:
+    return next((r["state"] for r in replicas(run_dir) if r["replica"] == name), None)
+
+
+def conversations_on(run_dir: Path, name: str) -> int | None:
+    return next((r.get("conversations") for r in replicas(run_dir) if r["replica"] == name), None)
 
 
 def status(run_dir: Path) -> dict[str, dict]:
@@ -199,13 +215,39 @@ def _get(url: str) -> tuple[int, str]:
 
 @needs_haproxy
 def test_drain_waits_for_live_conversations_then_stops_the_replica(cluster) -> None:
-    """Two conversations mid-turn on voice b's replica when the drain starts (one through HAProxy, one to the
-    replica's own port: through HAProxy, the balance factor would put the second elsewhere, the cluster being
-    otherwise empty): the drain sees both, both get their whole reply, a new conversation with voice b goes
-    elsewhere, the drain ends once both have, with none cut, and the replica is gone. `s2s cluster add` then brings
-    a replica back into the pool."""
+    """Two conversations open on voice b's replica when the drain starts (one through HAProxy, one to the replica's
+    own port: through HAProxy, the balance factor would put the second elsewhere, the cluster being otherwise
+    empty): the drain sees both, both then take a turn and get their whole reply, a new conversation with voice b
+    goes elsewhere, the drain ends once both have, with none cut, and the replica is gone. `s2s cluster add` then
+    brings a replica back into the pool."""
     url, run_dir = cluster
-    speech = load_wav(Path(__file__).parents[1] / "server" / "data" / "speech.wav")[: 24000 * 2]
+    pcm = to_pcm16(load_wav(Path(__file__).parents[1] / "speech" / "data" / "speech.wav")[: 24000 * 2])
+
+    async def turn(where: str, seed: int, seen: asyncio.Event) -> tuple[list[str], list[dict], int]:
+        """A conversation that takes its turn once the drain has seen it: errors, metadata, samples of reply."""
+        errors, metadata, samples = [], [], 0
+        async with connect(f"{where}/api/chat?mode=turn&codec=pcm16&voice=b&seed={seed}&temperature=0.1") as ws:
+
+            async def read() -> None:
+                nonlocal samples
+                async for message in ws:
+                    if message[0] == Kind.AUDIO:
+                        samples += (len(message) - 1) // 2
+                    elif message[0] == Kind.ERROR:
+                        errors.append(message[1:].decode())
+                    elif message[0] == Kind.METADATA:
+                        metadata.append(metadata_of(message))
+                        if metadata[-1].get("event") == "reply_done":
+                            return
+
+            reader = asyncio.create_task(read())
+            await seen.wait()
+            for a in range(0, len(pcm), 3840):  # 80 ms messages, in real time
+                await ws.send(protocol.audio(pcm[a : a + 3840]))
+                await asyncio.sleep(0.08)
+            await ws.send(protocol.control(Control.END_TURN))
+            await asyncio.wait_for(reader, 60)
+        return errors, metadata, samples
 
     async def body():
         await asyncio.to_thread(settled, run_dir)  # the last test's full replica has emptied and is UP again
@@ -213,30 +255,33 @@ def test_drain_waits_for_live_conversations_then_stops_the_replica(cluster) -> N
         await ws.close()
         await asyncio.to_thread(settled, run_dir)
         direct = f"ws://127.0.0.1:{status(run_dir)[home]['port']}"
-        turns = [
-            asyncio.create_task(talk(where, speech, listen_s=60, voice="b", seed=str(i), temperature="0.1"))
-            for i, where in enumerate((url, direct))
-        ]
-        await asyncio.sleep(1.0)  # both are speaking
+        seen = asyncio.Event()
+        turns = [asyncio.create_task(turn(where, i, seen)) for i, where in enumerate((url, direct))]
+        await until(
+            lambda: asyncio.to_thread(lambda: conversations_on(run_dir, home) == 2),
+            30,
+            lambda: f"the two conversations did not open on {home}: {replicas(run_dir)}",
+        )
         drain = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "server.cli", "cluster", "drain", home, "--run-dir", str(run_dir),
             stdout=subprocess.PIPE,
         )  # fmt: skip
-        await asyncio.sleep(1.0)
+        said = (await drain.stdout.readline()).decode()  # it drains (HAProxy places nothing new there): both live
+        seen.set()
         newcomer, placed = await opened(url, "b")
         await newcomer.close()
         results = await asyncio.gather(*turns)
-        said = (await drain.communicate())[0].decode()
+        said += (await drain.communicate())[0].decode()
         return home, placed, results, drain.returncode, said
 
     home, placed, results, code, said = asyncio.run(body())
     assert placed != home, (home, placed)
-    for r in results:
-        assert not r.errors and r.metadata[0]["replica"] == home, (r.errors, r.metadata[:1])
-        done = [m for m in r.metadata if m.get("event") == "reply_done"]
-        assert done and len(r.reply) == done[0]["frames"] * 320 > 0, (done, len(r.reply))
-    assert code == 0 and f"{home}: 2 conversations live" in said, said
-    assert f"{home} drained and stopped" in said and "no conversation was cut" in said, said
+    for errors, metadata, samples in results:
+        assert not errors and metadata[0]["replica"] == home, (errors, metadata[:1])
+        done = [m for m in metadata if m.get("event") == "reply_done"]
+        assert done and samples == done[0]["frames"] * 320 > 0, (done, samples)
+    assert said.startswith(f"{home}: 2 conversations live"), said
+    assert code == 0 and f"{home} drained and stopped" in said and "no conversation was cut" in said, said
     assert home not in status(run_dir)
     add_back(run_dir)
 
@@ -263,11 +308,7 @@ def test_a_drain_goes_on_when_its_asker_goes_and_cuts_at_its_timeout(cluster) ->
         return home
 
     home = asyncio.run(body())
-    for _ in range(100):
-        if home not in status(run_dir):
-            break
-        time.sleep(0.1)
-    assert home not in status(run_dir)
+    wait_until(lambda: home not in {r["replica"] for r in replicas(run_dir)}, 10, f"{home} was not stopped")
     add_back(run_dir)
 
 
@@ -288,9 +329,6 @@ def test_a_killed_replica_closes_its_clients_who_reconnect_elsewhere(cluster) ->
 
     home, replica = asyncio.run(body())
     assert replica != home
-    for _ in range(100):
-        if status(run_dir)[home]["state"].endswith("(DOWN)"):
-            break
-        time.sleep(0.1)
+    wait_until(lambda: (state_of(run_dir, home) or "").endswith("(DOWN)"), 30, f"HAProxy did not take {home} out")
     assert status(run_dir)[home]["state"] == "exited (DOWN)"
     assert f"{home} had exited" in add_back(run_dir)  # the dead one's slot takes a new replica

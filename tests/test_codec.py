@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import EncodecConfig, EncodecModel
 
 from codec import BANDWIDTHS, EncodecTokenizer, stream_layers
-from server.audio import load_wav
-from server.speech import SAMPLE_PATH, have_espeak, synthesize
+from codec.pcm import load_wav
+from speech.sample import SAMPLE_PATH, have_espeak, synthesize
 
 FS = 320
 SLOW = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

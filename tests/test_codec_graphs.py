@@ -1,4 +1,5 @@
-"""s2s/codec_graphs.py: the streaming codec's steady pushes through static, padded buffers equal its eager pushes.
+"""s2s/runner/codec_graphs.py: the streaming codec's steady pushes through static, padded buffers equal its eager
+pushes.
 
 On a CUDA machine the graphs are captured and replayed; on a CPU the same buffers and padding run eagerly, so
 everything but the capture itself is checked here too.
@@ -12,7 +13,7 @@ import torch
 
 from codec import EncodecTokenizer
 from s2s import AudioEvent, Engine, EngineConfig, ModelConfig, S2SModel, SamplingParams
-from s2s.codec_graphs import CodecGraphs, codec_graphs
+from s2s.runner.codec_graphs import CodecGraphs, codec_graphs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CAPTURE = DEVICE == "cuda"

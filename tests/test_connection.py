@@ -10,17 +10,17 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from tests_support import until
 from websockets.asyncio.client import connect
 from websockets.asyncio.server import serve
 from websockets.exceptions import ConnectionClosed
 
 from s2s import AudioEvent, MetaEvent, Refused
-from s2s.engine import EventQueue
-from server import protocol
+from s2s.engine.engine import EventQueue
 from server.connection import Connection, Limits, PerClient, Playback, serve_connection
-from server.moshi import MoshiWire
-from server.protocol import Control, Kind, ProtocolError
-from server.session import events
+from server.engine_session import events
+from server.moshi.endpoint import MoshiWire, protocol
+from server.moshi.protocol import Control, Kind, ProtocolError
 
 NO_CLIENT = SimpleNamespace(limits=Limits())  # what `events` reads of a connection, where no client reads
 
@@ -141,10 +141,8 @@ def test_the_receive_loop_feeds_the_session_tells_bad_messages_and_closes_it_onc
             await ws.send(protocol.control(Control.END_TURN))
             await ws.send(bytes([Kind.PING]))  # ignored
             await ws.send(protocol.audio(pcm.tobytes()))
-        for _ in range(100):  # the server sees the close a moment after the client
-            if "close" in endpoint.session.calls:
-                break
-            await asyncio.sleep(0.01)
+        # the server sees the close a moment after the client
+        await until(lambda: "close" in endpoint.session.calls, 5, lambda: f"no close: {endpoint.session.calls}")
 
     asyncio.run(with_core(endpoint, client))
     assert endpoint.session.calls == ["end_turn", "close"]
@@ -201,7 +199,7 @@ def test_a_conversation_s_unread_replies_are_bounded_by_the_connection_s_limit()
             q.put(AudioEvent("c", 0, 0, np.zeros(320, np.float32)))
         assert q.overflowed
         reader.cancel()
-        await asyncio.sleep(0.01)
+        await until(lambda: dropped, 5, "the slow reader was not dropped")  # (the overflow's drop runs on the loop)
 
     asyncio.run(main())
     assert dropped == ["slow_reader"]
@@ -233,7 +231,7 @@ def test_a_tick_s_events_for_many_readers_wake_the_loop_once_not_once_each() -> 
         await asyncio.sleep(0)  # every reader waits on an empty queue
         for t in range(3):
             await asyncio.to_thread(tick, t)  # (the loop may run mid-burst only when the GIL changes hands)
-            await asyncio.sleep(0.05)
+            await until(lambda: all(q.empty() for q in queues), 5, f"tick {t}'s events were not all read")
         for q in queues:
             q.put(None)
         return await asyncio.wait_for(asyncio.gather(*readers), 10)
@@ -249,7 +247,7 @@ def test_a_closed_loop_is_not_kept_alive_by_its_waker() -> None:
     """Every `asyncio.run` is a loop with its own self pipe: the wakers' registry must not keep a finished one."""
     import gc
 
-    from server.session import _wakers
+    from server.engine_session import _wakers
 
     async def read_one() -> list:
         q = EventQueue()

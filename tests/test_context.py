@@ -1,5 +1,5 @@
-"""The bounded context (`s2s/context.py`): over many windows a conversation holds a flat number of pages, and what it
-predicts is what a full forward with the sink-and-window mask predicts; pause and restart."""
+"""The bounded context (`s2s/scheduling/context.py`): over many windows a conversation holds a flat number of pages,
+and what it predicts is what a full forward with the sink-and-window mask predicts; pause and restart."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from s2s import ModelConfig, S2SModel, SamplingParams
-from s2s.backbone import Backbone
-from s2s.engine import Engine, EngineConfig, MetaEvent
-from s2s.turns import Phase
+from s2s.engine.engine import Engine, EngineConfig, MetaEvent
+from s2s.engine.turns import Phase
+from s2s.models.backbone import Backbone
 
 GREEDY = SamplingParams(temperature=0)
 PS = 16

@@ -1,11 +1,11 @@
-"""s2s/metrics.py CostModel: the tick cost that admission control predicts, on a CPU and on a GPU."""
+"""s2s/engine/metrics.py CostModel: the tick cost that admission control predicts, on a CPU and on a GPU."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from s2s.metrics import CostModel
+from s2s.engine.metrics import CostModel
 
 FRAMES_PER_TICK = 4
 

@@ -1,4 +1,4 @@
-"""s2s/cuda_graphs.py: decode rounds from static, padded buffers equal the eager paged forward.
+"""s2s/runner/cuda_graphs.py: decode rounds from static, padded buffers equal the eager paged forward.
 
 On a CUDA machine the graphs are captured and replayed; on a CPU the same buffers and padding run eagerly, so
 everything but the capture itself is checked here too.
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from s2s import ModelConfig, PagedBatch, S2SModel, SamplingParams
-from s2s.batch import page_table
-from s2s.cuda_graphs import DecodeGraphs, bucket_sizes
-from s2s.engine import CodesEvent, Engine, EngineConfig
+from s2s.engine.engine import CodesEvent, Engine, EngineConfig
+from s2s.runner.batch import page_table
+from s2s.runner.cuda_graphs import DecodeGraphs, bucket_sizes
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CAPTURE = DEVICE == "cuda"

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-import numpy as np
 import pytest
 from test_server import run_with_server, speech
 
-from server.client import talk
+from codec.pcm import to_pcm16
+from server.moshi.client import talk
+
+pytestmark = pytest.mark.paced  # servers at real time: alone and last (tests/conftest.py)
 
 
 def replies(parts, cache_mode: str, deterministic: bool, crowded: bool, **sampling: str) -> bytes:
@@ -17,12 +19,12 @@ def replies(parts, cache_mode: str, deterministic: bool, crowded: bool, **sampli
 
     async def body(url, server) -> bytes:
         ours = talk(url, speech(0.6, seed=0), speed=4.0 if crowded else 1.0, listen_s=60.0, **sampling)
-        others = [talk(url, speech(0.4 + 0.2 * i, seed=i), speed=2.0, listen_s=60.0) for i in (1, 2, 3)]
-        results = await asyncio.gather(ours, *(others if crowded else []))
+        others = [talk(url, speech(0.4 + 0.2 * i, seed=i), speed=2.0, listen_s=60.0) for i in (1, 2, 3) if crowded]
+        results = await asyncio.gather(ours, *others)
         assert all(r.handshake and not r.errors for r in results), [r.errors for r in results]
         reply = results[0].reply
         assert len(reply) >= 320, "no reply"
-        return (np.clip(reply, -1, 1) * 32767).astype("<i2").tobytes()
+        return to_pcm16(reply)
 
     return run_with_server(parts, body, cache_mode=cache_mode, max_reply_frames=24, deterministic=deterministic)
 

@@ -1,4 +1,5 @@
-"""s2s/duplex_lane.py: steady duplex conversations stepped as rows of arrays compute what the scheduler computes."""
+"""s2s/scheduling/duplex_lane.py: steady duplex conversations stepped as rows of arrays compute what the scheduler
+computes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 from clocks import SimClock
 
 from s2s import ModelConfig, S2SModel, SamplingParams
-from s2s.engine import CodesEvent, Engine, EngineConfig, MetaEvent
+from s2s.engine.engine import CodesEvent, Engine, EngineConfig, MetaEvent
 
 K = 3  # delays 0, 1, 2
 
@@ -55,9 +56,9 @@ def run(
     lane_steps, ahead, left = [0], [0], 0
     forward = engine.runner.forward
 
-    def counted(work, lane=None):
-        lane_steps[0] += len(lane) if lane is not None else 0
-        return forward(work, lane)
+    def counted(batch):
+        lane_steps[0] += len(batch.lane) if batch.lane is not None else 0
+        return forward(batch)
 
     engine.runner.forward = counted
     tick, victims, preempt = 0, [], engine.kv.preempt
@@ -174,9 +175,9 @@ def test_the_host_reads_a_round_s_codes_only_once_the_next_round_is_on_the_devic
     log: list[str] = []
     forward, write_pending = engine.runner.forward, engine.lane._write_pending
 
-    def logged_forward(work, lane=None):
+    def logged_forward(batch):
         log.append("forward")
-        return forward(work, lane)
+        return forward(batch)
 
     def logged_write_pending():
         if engine.lane._pending is not None:

@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 import torch
 from clocks import CallClock, SimClock
+from tests_support import wait_until
 
 from codec import EncodecTokenizer
+from codec.pcm import FRAME_S
 from s2s import ModelConfig, S2SModel, SamplingParams
-from s2s.engine import FRAME_S, AudioEvent, Engine, EngineConfig, MetaEvent, Refused
-from s2s.turns import Phase
+from s2s.engine.engine import AudioEvent, Engine, EngineConfig, MetaEvent, Refused
+from s2s.engine.turns import Phase
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -187,10 +189,9 @@ def slow_machine(engine: Engine, clock: SimClock, step_s: float) -> None:
     """The engine's forward on a simulated machine: 1 ms + `step_s` per decode step + 0.05 ms per prefill step."""
     real_forward = engine.runner.forward
 
-    def costly_forward(work, lane=None):
-        decode = sum(1 for w in work if w.decode) + (len(lane) if lane is not None else 0)
-        clock.now += 0.001 + step_s * decode + 0.00005 * sum(len(w.tokens) for w in work if not w.decode)
-        return real_forward(work, lane)
+    def costly_forward(batch):
+        clock.now += 0.001 + step_s * batch.decode_steps + 0.00005 * batch.prefill_steps
+        return real_forward(batch)
 
     engine.runner.forward = costly_forward
 
@@ -278,26 +279,53 @@ def test_an_open_on_another_thread_never_takes_a_row_before_its_close_is_queued(
     engine = make(model, tok, max_conversations=1)
     first = engine.open("duplex")
     engine.step()
-    events, commands, opened = engine.event_queue(first), engine._commands, []
+    events, commands, lock = engine.event_queue(first), engine._commands, engine.registry._lock
+    tries, outcome, held_by = threading.Event(), {}, []
 
-    class Racing:  # the engine's command queue, where another caller opens as the close is queued
+    class Watched:  # the registry's lock, telling who holds it and when the other caller comes to take it
+        def __enter__(self):
+            if threading.current_thread() is other:
+                tries.set()
+            lock.acquire()
+            held_by.append(threading.current_thread())
+
+        def __exit__(self, *exc):
+            held_by.pop()
+            lock.release()
+
+    def open_other() -> None:
+        try:
+            outcome["opened"] = engine.open("duplex")
+        except Exception as e:
+            outcome["raised"] = e
+
+    other = threading.Thread(target=open_other)
+
+    class Racing:  # the engine's command queue, where the other caller opens as the close is queued
         get_nowait = commands.get_nowait
 
         @staticmethod
         def put(command) -> None:
-            if getattr(command, "func", None) == engine._apply_close:
-                other = threading.Thread(target=lambda: opened.append(engine.open("duplex")))
+            if not other.is_alive() and not outcome:  # the close's command (the only one `close` queues)
                 other.start()
-                other.join(0.5)  # the other caller's open runs now, if nothing holds it back
+                # until the other caller is stuck on the lock this thread holds, or has opened (or failed) without it
+                this = threading.current_thread()
+                stuck = lambda: tries.is_set() and held_by == [this]  # noqa: E731
+                wait_until(lambda: stuck() or outcome, 30, "the other caller's open never ran")
+                outcome["before the close was queued"] = dict(outcome)
             commands.put(command)
 
-    engine._commands = Racing
-    engine.close(first)
-    engine._commands = commands
-    while not opened:
-        time.sleep(0.01)
+    engine.registry._lock, engine._commands = Watched(), Racing
+    try:
+        engine.close(first)
+    finally:
+        engine.registry._lock, engine._commands = lock, commands
+    other.join(30)
+    assert not other.is_alive(), "the other caller's open never returned"
+    assert outcome["before the close was queued"] == {}, "the open did not wait for the close to be queued"
+    assert "raised" not in outcome, f"the open was refused: {outcome['raised']!r}"
     engine.step()
-    assert list(engine.sessions) == opened, "the open applied after the close, on its row"
+    assert list(engine.sessions) == [outcome["opened"]], "the open applied before the close, on its row"
     assert list(events.queue)[-1] is None, "the first one's events ended"
 
 
@@ -460,10 +488,10 @@ def test_calls_never_wait_for_a_tick(model, tok) -> None:
     engine.push_audio(cid, speech(0.4, seed=3))
     in_forward, release, forward = threading.Event(), threading.Event(), engine.runner.forward
 
-    def stuck(work, lane=None):
+    def stuck(batch):
         in_forward.set()
         assert release.wait(30), "the test never released the tick"
-        return forward(work, lane)
+        return forward(batch)
 
     engine.runner.forward = stuck
     ticking = threading.Thread(target=engine.step)
@@ -539,9 +567,9 @@ def test_a_turns_first_audio_leaves_in_the_round_it_is_complete(model, tok) -> N
     engine.end_turn(cid)
     q, forward, ticks, seen = engine.event_queue(cid), engine.runner.forward, 0, []
 
-    def spy(work, lane=None):
+    def spy(batch):
         seen.append((ticks, q.qsize()))  # events queued when a round starts, by tick
-        return forward(work, lane)
+        return forward(batch)
 
     engine.runner.forward = spy
     while q.empty():

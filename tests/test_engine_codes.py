@@ -8,8 +8,8 @@ from clocks import CallClock
 
 from codec import EncodecTokenizer
 from s2s import ModelConfig, S2SModel, SamplingParams
-from s2s.engine import AudioEvent, CodesEvent, Engine, EngineConfig, MetaEvent
-from s2s.turns import Phase
+from s2s.engine.engine import AudioEvent, CodesEvent, Engine, EngineConfig, MetaEvent
+from s2s.engine.turns import Phase
 
 GREEDY = SamplingParams(temperature=0)
 

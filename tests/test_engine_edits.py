@@ -10,8 +10,8 @@ import torch
 from test_context import masked_forward
 
 from s2s import ModelConfig, S2SModel, SamplingParams
-from s2s.engine import Engine, EngineConfig, MetaEvent
-from s2s.turns import Phase
+from s2s.engine.engine import Engine, EngineConfig, MetaEvent
+from s2s.engine.turns import Phase
 
 GREEDY = SamplingParams(temperature=0)
 CFG = ModelConfig.preset("tiny", num_codebooks=2, codebook_size=64)

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from s2s.events import NO_TIMES, AudioEvent, CodesEvent, EventQueue, MetaEvent, made
+from s2s.engine.events import NO_TIMES, AudioEvent, CodesEvent, EventQueue, MetaEvent, made
 
 
 def test_a_blocked_reader_wakes_for_every_put_of_a_lock_free_writer() -> None:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from s2s.frames import FrameRows, Frames
+from s2s.engine.frames import FrameRows, Frames
 
 
 @settings(max_examples=60, deadline=None)

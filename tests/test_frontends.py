@@ -1,5 +1,5 @@
 """`s2s serve --frontends N`: the websocket endpoints in N processes on one port, one engine behind them
-(server/frontends.py, server/engine_core.py, server/engine_client.py)."""
+(server/frontends/processes.py, server/frontends/engine_core.py, server/frontends/engine_client.py)."""
 
 from __future__ import annotations
 
@@ -10,26 +10,26 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
 from test_server import metric, speech
+from tests_support import wait_until
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from s2s import Engine, EngineConfig, ModelConfig, Refused, S2SModel
-from s2s.events import MetaEvent
-from s2s.weights import shipped
-from server.cli import default_threads
-from server.client import refusal_of, talk
+from s2s.engine.events import MetaEvent
+from s2s.models.shipped import shipped
+from server.cli.options import default_threads
 from server.connection import PerClient
-from server.engine_client import CoreClients, EngineClient
-from server.engine_core import EngineCore
+from server.frontends.engine_client import CoreClients, EngineClient
+from server.frontends.engine_core import EngineCore
+from server.moshi.client import refusal_of, talk
+from server.moshi.protocol import Kind
 from server.process import ServerProcess
-from server.protocol import Kind
 
 TINY = ["--preset", "tiny", "--codec", str(shipped("codec")), "--threads", "1", "--admission-headroom", "inf"]
 
@@ -47,6 +47,12 @@ def every_frontend(url: str, path: str, tries: int = 12) -> list[tuple[int, str]
     return [get(url, path) for _ in range(tries)]
 
 
+def all_show(url: str, name: str, value: float) -> bool:
+    """Whether every front end's /metrics (as many as `every_frontend` reaches) shows `name` at `value`."""
+    return all(status == 200 and metric(text, name) == value for status, text in every_frontend(url, "/metrics"))
+
+
+@pytest.mark.paced  # at real time: alone and last (tests/conftest.py)
 def test_conversations_through_two_front_ends_are_heard_and_counted_once() -> None:
     """A held-out sentence in turn mode (pcm16) and in duplex (Ogg/Opus) through `--frontends 2` on the shipped echo
     model: the recogniser hears it in each reply, as in one process (`s2s demo`). Every front end's /metrics shows
@@ -72,11 +78,9 @@ def test_conversations_through_two_front_ends_are_heard_and_counted_once() -> No
             assert hear.transcribe(reply.reply) == sentence
         assert turn.turn_latency_s is not None
         assert all(r.handshake and not r.errors and len(r.reply) >= 0.4 * 24000 for r in more)
-        for _ in range(50):  # the last close reaches the engine a moment after the client's
-            if metric(get(url, "/metrics")[1], "s2s_conversations") == 0:
-                break
-            time.sleep(0.1)
-        time.sleep(0.3)  # a snapshot newer than the last close (the core sends one every 0.1 s)
+        # the last close reaches the engine a moment after the client's, and every front end's snapshot (the core
+        # sends one every 0.1 s) a moment after that
+        wait_until(lambda: all_show(url, "s2s_conversations", 0), 30, "a front end still shows a conversation")
         for status, text in every_frontend(url, "/metrics"):
             assert status == 200
             assert metric(text, "s2s_connections_total", 'protocol="moshi"') == 6
@@ -84,6 +88,7 @@ def test_conversations_through_two_front_ends_are_heard_and_counted_once() -> No
             assert metric(text, "s2s_conversations") == 0 and metric(text, "s2s_kv_pages", 'state="private"') == 0
 
 
+@pytest.mark.paced  # at real time: alone and last (tests/conftest.py)
 def test_admission_and_the_per_client_limit_hold_across_front_ends() -> None:
     """The engine's maximum and one client's limit are the whole server's, whichever front end a connection
     reaches. With a maximum of 3 and a per-client limit of 2 (clients told apart by X-Forwarded-For from a trusted
@@ -140,8 +145,10 @@ def test_admission_and_the_per_client_limit_hold_across_front_ends() -> None:
         per_client, engine_full = asyncio.run(scenario(url))
         assert per_client.startswith("429 refused: this client has 2 conversations open"), per_client
         assert engine_full.startswith("503 refused: the engine holds its maximum of 3"), engine_full
-        time.sleep(0.5)  # the closes reach the core; a snapshot newer than the refusal (it sends one every 0.1 s)
-        assert {metric(text, "s2s_refused_total") for _, text in every_frontend(url, "/metrics")} == {1}
+        # every front end gets a snapshot newer than the refusal (the core sends one every 0.1 s): counted once
+        refusals = lambda: {metric(text, "s2s_refused_total") for _, text in every_frontend(url, "/metrics")}  # noqa: E731
+        wait_until(lambda: min(refusals()) >= 1, 30, lambda: f"a front end does not count the refusal: {refusals()}")
+        assert refusals() == {1}
 
         async def again() -> None:  # the first client's two were given back (`hold` raises a refusal)
             stop = asyncio.Event()
@@ -152,13 +159,17 @@ def test_admission_and_the_per_client_limit_hold_across_front_ends() -> None:
         asyncio.run(again())
 
 
+@pytest.mark.paced  # at real time: alone and last (tests/conftest.py)
 def test_sigusr1_drains_every_front_end_and_a_dead_front_end_stops_the_server() -> None:
     server = ServerProcess(*TINY, "--frontends", "2")
     with server as url:
         assert {status for status, _ in every_frontend(url, "/healthz")} == {200}
         server.proc.send_signal(signal.SIGUSR1)
-        time.sleep(1.0)
-        assert {status for status, _ in every_frontend(url, "/healthz")} == {503}
+        wait_until(
+            lambda: {status for status, _ in every_frontend(url, "/healthz")} == {503},
+            30,
+            lambda: f"not every front end drains: {every_frontend(url, '/healthz')}",
+        )
         frontend = next(line for line in server.output.splitlines() if "front-end processes" in line)
         children = subprocess.run(["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True).stdout.split()
         spawned = [pid for pid in children if "spawn_main" in open(f"/proc/{pid}/cmdline").read()]
@@ -231,14 +242,10 @@ def test_events_reach_the_front_end_that_opened_the_conversation_and_no_other() 
         other.close(cid)
         client.push_codes(cid, np.full((2, 40), 7))
         q, codes = client.event_queue(cid), 0
-        deadline = time.monotonic() + 30
-        while codes < 30 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-            while q.qsize():
-                event = q.get_nowait()
-                assert event is not None, "closed by a front end that does not hold it"
-                codes += 0 if isinstance(event, MetaEvent) else event.codes.shape[-1]
-        assert codes >= 30
+        while codes < 30:  # the events, as they come
+            event = await asyncio.to_thread(q.get, timeout=30)  # (`queue.Empty` after 30 s without one)
+            assert event is not None, "closed by a front end that does not hold it"
+            codes += 0 if isinstance(event, MetaEvent) else event.codes.shape[-1]
         client.close(cid)
         while (event := await asyncio.to_thread(q.get, timeout=10)) is not None:
             pass
@@ -265,8 +272,10 @@ def test_the_engine_s_torch_threads_leave_the_front_ends_and_the_event_loop_thei
 def test_a_front_end_imports_neither_the_engine_nor_the_codec() -> None:
     """A front end moves audio and events: importing what it runs (`run_frontend`'s module, as `spawn` does) leaves
     out the engine, the model, the codec and transformers, which would cost it seconds to start and ~200 MB each."""
-    heavy = ["s2s.engine", "s2s.model", "codec.tokenizer", "codec.streaming", "transformers"]
-    imports = "import server.cli, server.frontends, server.gc_pause, server.engine_client"  # spawn's main, then ours
+    heavy = ["s2s.engine.engine", "s2s.models.model", "codec.tokenizer", "codec.streaming", "transformers"]
+    imports = (  # spawn's main, then ours
+        "import server.cli.main, server.frontends.processes, server.gc_pause, server.frontends.engine_client"
+    )
     check = f"import sys; {imports}; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

@@ -18,18 +18,22 @@ import multiprocessing
 import urllib.parse
 from concurrent.futures import ProcessPoolExecutor
 
+import pytest
 from fuzz_client import MESSAGE
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_hostile_input import opus_messages
 from test_server import run_with_server, speech
+from tests_support import snapshot_until
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from cache.base import CacheStats
-from server import protocol
-from server.client import ClientResult, refusal_of, talk
-from server.protocol import Control, Kind
+from server.moshi import protocol
+from server.moshi.client import ClientResult, refusal_of, talk
+from server.moshi.protocol import Control, Kind
+
+pytestmark = pytest.mark.paced  # servers at real time: alone and last (tests/conftest.py)
 
 PARAMETERS = ["mode", "codec", "voice", "token", "temperature", "top_k", "top_p", "seed"]
 PARAMETERS += ["audio_temperature", "audio_topk", "audio_seed"]
@@ -133,11 +137,9 @@ def test_fuzzed_requests_and_messages_leave_the_engine_as_they_found_it(parts) -
                 healthy.append(await converse(url))
             await fuzzing
         healthy.append(await converse(url))  # and after it
-        for _ in range(100):  # the last closes reach the engine a moment after the connections'
-            if engine.snapshot().conversations == before.conversations:
-                break
-            await asyncio.sleep(0.05)
-        after = engine.snapshot()
+        after = await snapshot_until(  # the last closes reach the engine a moment after the connections'
+            engine, lambda s: s.conversations == before.conversations, what="conversations were left open"
+        )
         async with contextlib.AsyncExitStack() as stack:  # every slot is free again: as many conversations open
             for _ in range(SLOTS):
                 ws = await stack.enter_async_context(connect(f"{url}/api/chat?mode=turn&codec=pcm16"))
@@ -156,5 +158,5 @@ def test_fuzzed_requests_and_messages_leave_the_engine_as_they_found_it(parts) -
     assert after.conversations == before.conversations
     assert held(after.cache) == held(before.cache)
     assert after.cache.evicted_live_pages == 0
-    engine.cache.check()
+    engine.cache.check()  # (the server stopped the engine's thread: its objects are this one's now)
     engine.pool.check()

@@ -15,7 +15,7 @@ import urllib.request
 import numpy as np
 import pytest
 from test_server import http_get, metric, run_with_server
-from tests_support import FRONTENDS
+from tests_support import FRONTENDS, engine_read_async, snapshot_until, until
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -23,15 +23,16 @@ from bench.cascade import serve
 from bench.cascade.server import CascadeServer
 from bench.cascade.text import text_engine_for
 from codec import EncodecTokenizer
+from codec.pcm import to_pcm16
 from s2s import AudioEvent, Engine, EngineConfig, ModelConfig, S2SModel
-from s2s.events import EventQueue
-from server import protocol
+from s2s.engine.events import EventQueue
 from server.app import ServerOptions
-from server.client import talk
 from server.connection import Limits
+from server.moshi import protocol
+from server.moshi.client import talk
+from server.moshi.protocol import Kind
 from server.process import ServerProcess
-from server.protocol import Kind
-from server.speech import speech as spoken
+from speech.sample import speech as spoken
 
 EVIL = "http://evil.example"
 
@@ -63,6 +64,7 @@ async def told_and_closed(ws) -> tuple[list[str], int | None]:
         return errors, e.rcvd.code if e.rcvd else None
 
 
+@pytest.mark.paced  # at real time: alone and last (tests/conftest.py)
 def test_the_cascade_server_takes_a_token_and_refuses_a_foreign_origin() -> None:
     """`python -m bench.cascade.serve --token T`, as the bench starts it (the cascade once skipped both)."""
 
@@ -111,11 +113,12 @@ def test_top_k_beyond_the_vocabulary_is_told_and_closed_with_1008(parts, query: 
         async with connect(f"{url}/api/chat?mode=turn&audio_topk=250") as ws:  # what Moshi's client sends
             assert (await ws.recv())[0] == Kind.HANDSHAKE
             assert (await ws.recv())[0] == Kind.METADATA
-        server.engine.cache.check()
+        await engine_read_async(server.engine, server.engine.cache.check)
 
     run_with_server(parts, body)
 
 
+@pytest.mark.paced  # at real time: alone and last (tests/conftest.py)
 def test_cascade_errors_name_the_setting_and_never_an_exception() -> None:
     """A bad setting is told by name; a failure (the speech-to-text worker killed mid-turn) is told without the
     exception's class or message, which can hold paths."""
@@ -134,7 +137,8 @@ def test_cascade_errors_name_the_setting_and_never_an_exception() -> None:
                 async with connect(f"{url}/api/chat?codec=pcm16&{query}") as ws:
                     settings.append((query.split("=")[0], *await told_and_closed(ws)))
             doomed = asyncio.create_task(talk(url, wav, "turn", "pcm16", listen_s=30, seed="1"))
-            await asyncio.sleep(0.5)  # streaming into its worker
+            # streaming into its worker
+            await until(lambda: sum(server.stt.load), 30, "the conversation opened no speech-to-text stream")
             loop = asyncio.get_running_loop()
             os.kill(await loop.run_in_executor(server.stt.pools[0], os.getpid), signal.SIGKILL)
             return settings, (await doomed).errors
@@ -177,6 +181,7 @@ def test_the_event_queue_drops_past_its_bound_and_never_blocks() -> None:
     assert q.get_nowait() is None and q.empty() and q.frames == 0
 
 
+@pytest.mark.paced  # at real time: alone and last (tests/conftest.py)
 def test_a_client_that_never_reads_is_told_and_closed_beside_a_healthy_one(parts) -> None:
     """A duplex client sends in real time and reads nothing: once more than `Limits.max_unread_s` of its replies
     wait unread it is told and closed (and /metrics counts it), a healthy conversation beside it keeps its replies,
@@ -200,7 +205,7 @@ def test_a_client_that_never_reads_is_told_and_closed_beside_a_healthy_one(parts
                 (conn,) = server._server.connections
                 conn.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
             healthy = asyncio.create_task(talk(url, tone(3.0), mode="duplex", codec="pcm16", listen_s=0.5))
-            block = protocol.audio((tone(0.08) * 32767).astype("<i2").tobytes())
+            block = protocol.audio(to_pcm16(tone(0.08)))
             if FRONTENDS:
                 with pytest.raises(ConnectionClosed):
                     for _ in range(750):  # up to a minute of audio in real time, reading nothing
@@ -217,13 +222,9 @@ def test_a_client_that_never_reads_is_told_and_closed_beside_a_healthy_one(parts
                 assert errors == ["not reading fast enough: closed"] and code == 1008, (errors, code)
         result = await healthy
         assert not result.errors and len(result.reply) > 40 * 320
-        for _ in range(100):
-            if server.engine.snapshot().conversations == 0:
-                break
-            await asyncio.sleep(0.05)
-        snapshot = server.engine.snapshot()
-        assert snapshot.conversations == 0 and snapshot.cache.private == 0 and snapshot.cache.cached_locked == 0
-        server.engine.cache.check()
+        snapshot = await snapshot_until(server.engine, lambda s: s.conversations == 0, what="conversations left open")
+        assert snapshot.cache.private == 0 and snapshot.cache.cached_locked == 0
+        await engine_read_async(server.engine, server.engine.cache.check)
 
     run_with_server(parts, body, ServerOptions(port=0, limits=Limits(max_unread_s=1.0)))
 

@@ -10,16 +10,18 @@ import numpy as np
 import pytest
 import sphn
 from test_server import run_with_server
-from tests_support import FRONTENDS
+from tests_support import FRONTENDS, snapshot_until, spy_pushes, until
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-import server.moshi
-from server import protocol
+import server.moshi.endpoint
 from server.app import ServerOptions
 from server.connection import Limits
-from server.moshi import MoshiWire
-from server.protocol import BLOCK, Kind, ProtocolError, StreamError
+from server.moshi.endpoint import MoshiWire, protocol
+from server.moshi.ogg_opus import ogg_crc
+from server.moshi.protocol import BLOCK, Kind, ProtocolError, StreamError
+
+pytestmark = pytest.mark.paced  # servers at real time: alone and last (tests/conftest.py)
 
 
 class KeptWire(MoshiWire):
@@ -30,18 +32,6 @@ class KeptWire(MoshiWire):
     def __init__(self, codec: str):
         super().__init__(codec)
         self.made.append(self)
-
-
-def spy_pushes(engine) -> list[int]:
-    """The length of every PCM array the server hands the engine."""
-    pushed, push = [], engine.push_audio
-
-    def spy(cid: str, pcm: np.ndarray) -> None:
-        pushed.append(len(pcm))
-        push(cid, pcm)
-
-    engine.push_audio = spy
-    return pushed
 
 
 def opus_messages(seconds: float) -> list[bytes]:
@@ -63,7 +53,7 @@ def test_invalid_opus_resets_the_reader_and_a_flood_of_it_closes_the_connection(
     connection then reaches the engine (sphn's reader kept every byte after an error, and failed for good). Past
     `MAX_UNDECODED` bytes with no audio, the connection is closed with the reason (it was read for ever). Through
     front ends the wires are in their processes: what the client and the engine see is checked, not the reader."""
-    monkeypatch.setattr(server.moshi, "MoshiWire", KeptWire)
+    monkeypatch.setattr(server.moshi.endpoint, "MoshiWire", KeptWire)
     KeptWire.made.clear()
     garbage = protocol.audio(bytes(range(1, 256)) * 257)  # 65,535 bytes, no "OggS" in them
 
@@ -81,11 +71,9 @@ def test_invalid_opus_resets_the_reader_and_a_flood_of_it_closes_the_connection(
                     assert wire.opus_in is not reader and wire.opus_pending == 0, "the reader kept the garbage"
             for message in opus_messages(2.0):
                 await ws.send(message)
-            for _ in range(200):  # the server takes the messages a moment after they are sent
-                if sum(pushed) >= 24000:
-                    break
-                await asyncio.sleep(0.05)
-            assert sum(pushed) >= 24000, "valid Opus after invalid Opus did not reach the engine"
+            await until(  # the server takes the messages a moment after they are sent
+                lambda: sum(pushed) >= 24000, 10, "valid Opus after invalid Opus did not reach the engine"
+            )
             with pytest.raises(ConnectionClosed) as closed:
                 for _ in range(200):
                     await ws.send(garbage)
@@ -94,15 +82,6 @@ def test_invalid_opus_resets_the_reader_and_a_flood_of_it_closes_the_connection(
 
     limits = Limits(realtime_burst_s=3600, max_messages_per_s=1e4)  # this is about memory, not pace
     run_with_server(parts, body, ServerOptions(port=0, limits=limits))
-
-
-def ogg_crc(data: bytes) -> int:
-    crc = 0
-    for byte in data:
-        crc ^= byte << 24
-        for _ in range(8):
-            crc = ((crc << 1) ^ 0x04C11DB7 if crc & 0x80000000 else crc << 1) & 0xFFFFFFFF
-    return crc
 
 
 def never_ending_packet_page(continued: bool) -> bytes:
@@ -157,11 +136,9 @@ def test_a_large_message_reaches_the_engine_in_real_time_slices(parts) -> None:
             await ws.recv()
             await ws.send(protocol.audio(bytes((1 << 20) - 2)))
             assert "faster than real time" in await next_error(ws)
-            for _ in range(400):  # past the 2 s burst, slices come in real time
-                if sum(pushed) >= 40 * BLOCK:
-                    break
-                await asyncio.sleep(0.05)
-        assert sum(pushed) >= 40 * BLOCK and max(pushed) <= BLOCK, pushed[:5]
+            # past the 2 s burst, slices come in real time
+            await until(lambda: sum(pushed) >= 40 * BLOCK, 20, lambda: f"too little reached the engine: {pushed[:5]}")
+        assert max(pushed) <= BLOCK, pushed[:5]
 
     run_with_server(parts, body)
 
@@ -182,7 +159,7 @@ def test_full_scale_opus_decodes_within_range_and_out_of_range_pcm_never_reaches
                 engine.push_audio(cid, bad)
         engine.push_audio(cid, np.zeros(BLOCK, np.float32))
         ticks = engine.snapshot().stats.ticks
-        await asyncio.sleep(0.3)
-        assert engine.snapshot().stats.ticks > ticks and engine._thread.is_alive()
+        await snapshot_until(engine, lambda s: s.stats.ticks > ticks + 2, 10, "the engine thread stopped ticking")
+        assert engine._thread.is_alive()
 
     run_with_server(parts, body)

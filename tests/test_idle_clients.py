@@ -16,16 +16,19 @@ from dataclasses import dataclass, field
 import pytest
 from test_hostile_access import told_and_closed
 from test_server import run_with_server, speech
+from tests_support import until
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from codec.pcm import SAMPLE_RATE
-from server import protocol
+from codec.pcm import SAMPLE_RATE, to_pcm16
 from server.app import ServerOptions
-from server.cli import add_server_args, server_options
-from server.client import refusal_of
+from server.cli.options import add_server_args, server_options
 from server.connection import Limits
-from server.protocol import BLOCK, Control, Kind, metadata_of
+from server.moshi import protocol
+from server.moshi.client import refusal_of
+from server.moshi.protocol import BLOCK, Control, Kind, metadata_of
+
+pytestmark = pytest.mark.paced  # servers at real time: alone and last (tests/conftest.py)
 
 TURN = "/api/chat?mode=turn&codec=pcm16"
 ELSEWHERE = ("127.0.0.2", 0)  # another client: a loopback address of its own (the idle ones come from 127.0.0.1)
@@ -53,7 +56,7 @@ class Reply:
 
 async def speak_and_listen(ws: ClientConnection, seconds: float = 0.6) -> Reply:
     """A turn of speech in real time, then its end; the reply, until it is done."""
-    pcm = (speech(seconds) * 32767).astype("<i2").tobytes()
+    pcm = to_pcm16(speech(seconds))
     for a in range(0, len(pcm), 2 * BLOCK):
         await ws.send(protocol.audio(pcm[a : a + 2 * BLOCK]))
         await asyncio.sleep(BLOCK / SAMPLE_RATE)
@@ -193,10 +196,9 @@ def test_a_client_past_its_limit_is_refused_before_the_upgrade(parts) -> None:
             async with connect(url + TURN, local_addr=ELSEWHERE) as other:
                 other_got = await opened(other)
             await first.close()
-            for _ in range(100):  # the server sees the close a moment after the client
-                if sum(server.clients.open.values()) == 1:
-                    break
-                await asyncio.sleep(0.05)
+            await until(  # the server sees the close a moment after the client
+                lambda: sum(server.clients.open.values()) == 1, 10, lambda: f"still open: {server.clients.open}"
+            )
             async with connect(url + TURN) as again:
                 again_got = await opened(again)
         return third_got, other_got, again_got

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from s2s import ModelConfig, PagedBatch, S2SModel, SamplingParams, sample
-from s2s.batch import page_table
-from s2s.sampling import RandomStream, _top_k, _top_k_top_p
+from s2s.runner.batch import page_table
+from s2s.runner.sampling import RandomStream, _top_k, _top_k_top_p
 
 
 class Pages:

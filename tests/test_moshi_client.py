@@ -6,20 +6,21 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile
-from tests_support import ServerThread
+from tests_support import ServerThread, wait_until
 
 from codec import EncodecTokenizer
+from codec.pcm import save_wav
 from s2s import Engine, EngineConfig, ModelConfig, S2SModel
-from s2s.weights import shipped
+from s2s.models.shipped import shipped
 from server.app import ServerOptions
-from server.audio import save_wav
-from server.speech import synthesize
+from speech.sample import synthesize
+
+pytestmark = pytest.mark.paced  # servers at real time: alone and last (tests/conftest.py)
 
 MOSHI_PYTHON = Path(__file__).resolve().parents[1] / ".venv-moshi" / "bin" / "python"
 MISSING = [
@@ -55,10 +56,11 @@ def test_kyutai_moshi_client_holds_a_duplex_conversation(tmp_path: Path) -> None
     heard = tmp_path / "heard.wav"
     processes: list[subprocess.Popen] = []
     try:
-        for _ in range(50):  # the daemon forks; its socket appears a moment later
-            if subprocess.run(["pactl", "info"], env=env, capture_output=True).returncode == 0:
-                break
-            time.sleep(0.1)
+        wait_until(  # the daemon forks; its socket appears a moment later
+            lambda: subprocess.run(["pactl", "info"], env=env, capture_output=True).returncode == 0,
+            10,
+            "pulseaudio did not start",
+        )
         pulse(env, "pactl", "set-default-sink", "spk")
         pulse(env, "pactl", "set-default-source", "mic.monitor")
         with ServerThread(engine, ServerOptions(port=0)) as port:
@@ -84,27 +86,29 @@ def test_kyutai_moshi_client_holds_a_duplex_conversation(tmp_path: Path) -> None
                 text=True,
             )
             processes.append(client)
-            for _ in range(600):  # the client imports torch first: seconds
-                if engine.snapshot().conversations or client.poll() is not None:
-                    break
-                time.sleep(0.05)
+            wait_until(  # the client imports torch first: seconds
+                lambda: engine.snapshot().conversations or client.poll() is not None, 30, "the Moshi client hangs"
+            )
             assert engine.snapshot().conversations, (
                 f"the Moshi client opened no conversation: {client.communicate()[0]}"
             )
             pulse(env, "paplay", "--device=mic", str(wav))  # what the client's microphone hears, in real time
-            for _ in range(300):  # the engine has stepped through as much of the stream as the speech lasted
+
+            def caught_up() -> tuple[list] | None:  # (a tuple: an empty list of sessions is an answer too)
                 live = engine.snapshot().sessions
-                if len(live) != 1 or live[0]["steps"] >= len(speech) / 320:
-                    break
-                time.sleep(0.1)
+                return (live,) if len(live) != 1 or live[0]["steps"] >= len(speech) / 320 else None
+
+            # the engine has stepped through as much of the stream as the speech lasted
+            (live,) = wait_until(
+                caught_up, 30, lambda: f"the engine is behind the speech: {engine.snapshot().sessions}"
+            )
             client.terminate()
             output = client.communicate(timeout=20)[0]
             recorder.terminate()
             recorder.wait(10)
-            for _ in range(100):  # the client's disconnect reaches the engine a moment later
-                if not engine.snapshot().conversations:
-                    break
-                time.sleep(0.05)
+            wait_until(  # the client's disconnect reaches the engine a moment later
+                lambda: not engine.snapshot().conversations, 5, "the client's conversation was not closed"
+            )
         after = engine.snapshot()
     finally:
         for p in processes:

@@ -7,7 +7,7 @@ import pytest
 import sphn
 
 from codec.pcm import SAMPLE_RATE
-from server.ogg_opus import OggOpusWriter, ogg_crc, ogg_page
+from server.moshi.ogg_opus import OggOpusWriter, ogg_crc, ogg_page
 
 
 def pages(stream: bytes) -> list[dict]:

@@ -4,7 +4,7 @@ bandwidth, offline and streaming, is recognised at no less than 90 % of the orig
 import pytest
 
 from codec import EncodecTokenizer
-from s2s.weights import shipped
+from s2s.models.shipped import shipped
 from speech import oracle
 
 
@@ -15,7 +15,7 @@ def originals(takes, originals_rate) -> float:
     return rate
 
 
-@pytest.mark.usefixtures("two_threads")  # whole takes at once: two threads run it faster (not frame by frame)
+@pytest.mark.usefixtures("worker_threads")  # whole takes at once: more threads run it faster (not frame by frame)
 def test_offline_round_trip_is_heard(takes, originals) -> None:
     tok = EncodecTokenizer.from_pretrained(shipped("codec"), bandwidth=1.5)
     rate = oracle.rate(takes, [oracle.offline_round_trip(tok, t.pcm) for t in takes])
@@ -30,7 +30,7 @@ def test_streaming_round_trip_is_heard(takes, originals) -> None:
     assert rate >= 0.9 * originals, f"streaming round trip heard {rate:.0%}, originals {originals:.0%}"
 
 
-@pytest.mark.usefixtures("two_threads")
+@pytest.mark.usefixtures("worker_threads")
 def test_a_wrong_codec_is_not_heard(takes, originals) -> None:
     """The oracle can fail: seeded random weights make noise that it does not hear as the sentences."""
     tok = EncodecTokenizer.from_pretrained(None, bandwidth=1.5)

@@ -20,9 +20,9 @@ from bench.oracle_bench import replies
 from bench.oracle_bench import serve as oracle_serve
 from codec import EncodecTokenizer
 from s2s import Engine, EngineConfig, S2SModel, SamplingParams
-from s2s.echo_init import DUPLEX_DELAY
-from s2s.events import AudioEvent, MetaEvent
-from s2s.weights import shipped
+from s2s.engine.events import AudioEvent, MetaEvent
+from s2s.models.shipped import shipped
+from s2s.training.echo_init import DUPLEX_DELAY
 from speech import oracle
 from speech.sentences import training_sentences
 from speech.voices import TRAIN_VOICES, say
@@ -45,6 +45,7 @@ def serve_turns(parts, body, **kw):
     return serve(parts, body, calibration_ticks=0, **kw)
 
 
+@pytest.mark.paced  # a server at real time: alone and last (tests/conftest.py)
 @pytest.mark.parametrize(("cache", "offset"), [("naive", 0), ("radix", 24)], ids=["naive", "radix"])
 def test_turn_replies_say_the_question(parts, takes, originals_rate, cache: str, offset: int) -> None:
     """Eight takes per cache mode at once (four in pcm16, four in Opus), a different eight for each mode. Two modes
@@ -62,6 +63,7 @@ def test_turn_replies_say_the_question(parts, takes, originals_rate, cache: str,
     assert heard >= 0.85 * originals_rate(some), f"{cache}: replies heard {heard:.0%}"
 
 
+@pytest.mark.paced  # a server at real time: alone and last (tests/conftest.py)
 def test_no_cross_talk_under_preemption(parts, takes) -> None:
     """Four conversations at once, each a different sentence, one voice prompt, radix cache, few pages."""
     model, tok = parts
@@ -80,6 +82,7 @@ def test_no_cross_talk_under_preemption(parts, takes) -> None:
     assert sum(h == t.index for h, t in zip(heard, some, strict=True)) >= 3, heard
 
 
+@pytest.mark.paced  # a server at real time: alone and last (tests/conftest.py)
 def test_duplex_echo_says_the_question(parts, takes, originals_rate) -> None:
     """Sixteen takes, eight in Opus and eight in pcm16, sent in real time."""
     some = takes[48:64]

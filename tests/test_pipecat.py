@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 from tests_support import ServerThread
 
+from codec.pcm import save_wav
 from s2s import Engine, EngineConfig
 from server.app import ServerOptions
-from server.audio import save_wav
-from server.speech import synthesize
+from speech.sample import synthesize
+
+pytestmark = pytest.mark.paced  # servers at real time: alone and last (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 PIPECAT_PYTHON = ROOT / ".venv-pipecat" / "bin" / "python"

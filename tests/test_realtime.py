@@ -11,20 +11,30 @@ import numpy as np
 import pytest
 from openai import AsyncOpenAI
 from test_server import http_get, metric, run_with_server, speech
+from tests_support import engine_read_async, engine_until
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from server import protocol
+from codec.pcm import to_pcm16
 from server.app import ServerOptions
-from server.client import refusal_of
-from server.protocol import Kind
+from server.moshi import protocol
+from server.moshi.client import refusal_of
+from server.moshi.protocol import Kind
+
+pytestmark = pytest.mark.paced  # servers at real time: alone and last (tests/conftest.py)
 
 TOKEN = "secret-token"
 OPTIONS = ServerOptions(port=0, token=TOKEN)
 
 
 def b64(pcm: np.ndarray) -> str:
-    return base64.b64encode((np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()).decode()
+    return base64.b64encode(to_pcm16(pcm)).decode()
+
+
+def the_session(engine):
+    """The engine's one conversation: only on the engine thread (`tests_support.engine_read_async`)."""
+    (s,) = engine.sessions.values()
+    return s
 
 
 def client(url: str) -> AsyncOpenAI:
@@ -77,7 +87,7 @@ async def manual(conn) -> None:
 
 def test_a_turn_with_server_vad_through_the_sdk(parts) -> None:
     """Speech appended in real time; the server's VAD ends the turn, and the reply's audio comes until response.done."""
-    from server.speech import synthesize
+    from speech.sample import synthesize
 
     question = np.concatenate([synthesize("Good morning, can you hear me?"), np.zeros(24000, np.float32)])
 
@@ -136,8 +146,11 @@ def test_manual_commit_and_response_create(parts) -> None:
             seen = await manual_turn(conn, seed=1)  # a second turn: its own items
             second = next(e for e in seen if e.type == "input_audio_buffer.committed")
             assert second.previous_item_id not in (None, committed.item_id)  # the first response's item is between
-        [s] = server.engine.sessions.values()
-        assert [t.committed for t in s.turns] == [True, True] and all(t.reply_end is not None for t in s.turns)
+            turns = await engine_read_async(
+                server.engine,
+                lambda: [(t.committed, t.reply_end is not None) for t in the_session(server.engine).turns],
+            )
+        assert turns == [(True, True), (True, True)], turns
 
     run_with_server(parts, body, OPTIONS, max_reply_frames=20)
 
@@ -155,11 +168,14 @@ def test_truncate_mid_reply_keeps_only_what_was_played_in_the_next_turns_context
                     if event.type == "response.output_audio.delta":
                         received += len(base64.b64decode(event.delta)) // 2
                         item = event.item_id
-            (s,) = engine.sessions.values()
-            turn = s.turns[0]
             played_ms = 200
             played = played_ms * 24000 // 1000 // 320  # frames
-            kept = s.model[turn.reply_start : turn.reply_start + played].copy()
+
+            def playing() -> tuple[int, np.ndarray]:  # on the engine thread
+                turn = the_session(engine).turns[0]
+                return turn.reply_start, the_session(engine).model[turn.reply_start : turn.reply_start + played].copy()
+
+            reply_start, kept = await engine_read_async(engine, playing)
             await conn.send(
                 {"type": "conversation.item.truncate", "item_id": item, "content_index": 0, "audio_end_ms": 10**6}
             )
@@ -174,12 +190,25 @@ def test_truncate_mid_reply_keeps_only_what_was_played_in_the_next_turns_context
             done = next(e for e in seen if e.type == "response.done")
             assert done.response.status == "cancelled" and done.response.status_details.reason == "client_cancelled"
             await manual_turn(conn, seed=2)  # the next turn
-            assert s.turns[0].reply_end - s.turns[0].reply_start == played
-            key = s.key(s.computed)  # what the model attended to: the steps it computed
             k = engine.model.config.num_codebooks
-            assert np.array_equal(key[turn.reply_start : turn.reply_start + played, k], kept[:, 0])
-            assert s.turns[1].first_frame >= turn.reply_start + played and s.turns[1].reply_end is not None
-            engine.cache.check()
+
+            def after() -> tuple:  # on the engine thread
+                s = the_session(engine)
+                key = s.key(s.computed)  # what the model attended to: the steps it computed
+                t0, t1 = s.turns[:2]
+                engine.cache.check()
+                return (
+                    t0.reply_start,
+                    t0.reply_end,
+                    key[reply_start : reply_start + played, k].copy(),
+                    t1.first_frame,
+                    t1.reply_end,
+                )
+
+            start, end, attended, next_first, next_end = await engine_read_async(engine, after)
+            assert start == reply_start and end - start == played
+            assert np.array_equal(attended, kept[:, 0])
+            assert next_first >= reply_start + played and next_end is not None
 
     run_with_server(parts, body, OPTIONS, max_reply_frames=400)
 
@@ -195,9 +224,12 @@ def test_response_cancel(parts) -> None:
             assert done.response.status == "cancelled"
             await conn.send({"type": "response.cancel"})
             assert (await until(conn, "error")).error.code == "response_cancel_not_active"
-            (s,) = server.engine.sessions.values()
-            await asyncio.sleep(0.3)
-            assert s.phase.value == "listen" and "interrupted" in s.turns[0].times
+            engine = server.engine
+            await engine_until(
+                engine,
+                lambda: (s := the_session(engine)).phase.value == "listen" and "interrupted" in s.turns[0].times,
+                what="the cancelled reply was not interrupted in the engine",
+            )
             seen = await manual_turn(conn, seed=3)  # and it goes on
             assert seen[-1].response.status in ("completed", "incomplete")
 
@@ -287,7 +319,7 @@ def test_a_realtime_client_and_a_moshi_client_at_once(parts) -> None:
         async with connect(f"{url}/api/chat?mode=turn&codec=pcm16&token={TOKEN}") as ws:
             await ws.recv()
             await ws.recv()
-            pcm = (speech(0.6, 5) * 32767).astype("<i2").tobytes()
+            pcm = to_pcm16(speech(0.6, 5))
             for a in range(0, len(pcm), 3840):
                 await ws.send(protocol.audio(pcm[a : a + 3840]))
             await ws.send(protocol.control(protocol.Control.END_TURN))

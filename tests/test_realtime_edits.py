@@ -7,13 +7,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import copy
+from dataclasses import dataclass
 
 import numpy as np
+import pytest
 from test_realtime import OPTIONS, append, ask, client, manual, manual_turn, until
 from test_server import run_with_server, speech
+from tests_support import engine_read_async, engine_until
 
 from s2s import Engine, EngineConfig
-from server.speech import synthesize
+from speech.sample import synthesize
+
+pytestmark = pytest.mark.paced  # servers at real time: alone and last (tests/conftest.py)
 
 FRAME = 320  # samples in a codec frame at 24 kHz
 
@@ -24,21 +30,47 @@ def frames_in(events: list) -> int:
     return audio // FRAME
 
 
-async def eventually(check, timeout: float = 5.0) -> bool:
-    """Whether `check()` comes to hold within `timeout`, polled: the engine thread applies a command at its next
-    tick. (Callers assert it, with what the engine has instead.)"""
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(timeout):
-            while not check():
-                await asyncio.sleep(0.02)
-    return bool(check())
+@dataclass(frozen=True)
+class Seen:
+    """A conversation as the engine thread left it after a tick: copies (its sampling, immutable, is its own), which
+    any thread may read. Its fields are named as `Session`'s, so one check reads either."""
+
+    id: str
+    turns: list
+    user: object
+    model: object
+    user_frames: int
+    phase: object
+    sampling: object
+    prompt_frames: int
 
 
-async def the_session(server):
-    """The one conversation open in the engine."""
-    assert await eventually(lambda: len(server.engine.sessions) == 1), server.engine.sessions
-    (s,) = server.engine.sessions.values()
-    return s
+def only(engine):
+    """The engine's one conversation, or None: on the engine thread only."""
+    sessions = list(engine.sessions.values())
+    return sessions[0] if len(sessions) == 1 else None
+
+
+def seen(s) -> Seen:
+    """On the engine thread: `s` copied."""
+    return Seen(
+        s.id,
+        copy.deepcopy(s.turns),
+        copy.deepcopy(s.user),
+        copy.deepcopy(s.model),
+        s.user_frames,
+        s.phase,
+        s.sampling,
+        s.prompt_frames,
+    )
+
+
+async def the_session(server, check=lambda s: True, what: str = "", timeout: float = 10.0) -> Seen:
+    """The engine's one conversation once `check(session)` holds, both read on the engine thread after a tick (it
+    applies a command at its next tick); a copy."""
+    engine = server.engine
+    what = what or "the engine did not come to hold one conversation as the test expects"
+    return await engine_until(engine, lambda: (s := only(engine)) is not None and check(s) and seen(s), timeout, what)
 
 
 def replied(s):
@@ -90,8 +122,8 @@ def test_server_vad_barge_in_cancels_the_response_and_cuts_the_engines_reply(par
             assert "response.done" not in [e.type for e in before]  # the reply was still playing at the barge-in
             assert done.response.status == "cancelled" and done.response.status_details.reason == "turn_detected"
             sent = frames_in(before + after)
-            turn = replied(await the_session(server))
-            assert await eventually(lambda: "interrupted" in turn.times), turn
+            s = await the_session(server, lambda s: "interrupted" in replied(s).times, "the reply was not cut")
+            turn = replied(s)
             assert turn.reply_end is not None and turn.reply_end - turn.reply_start <= sent < 400
 
     run_with_server(parts, body, OPTIONS, max_reply_frames=400)
@@ -131,8 +163,8 @@ def test_output_audio_buffer_clear_cancels_and_keeps_only_what_was_sent(parts) -
             assert done.response.status == "cancelled" and done.response.status_details.reason == "client_cancelled"
             await until(conn, "output_audio_buffer.cleared")
             sent = frames_in(seen)
-            turn = (await the_session(server)).turns[0]
-            assert await eventually(lambda: "interrupted" in turn.times), turn
+            s = await the_session(server, lambda s: "interrupted" in s.turns[0].times, "the reply was not cut")
+            turn = s.turns[0]
             assert turn.reply_end - turn.reply_start <= sent < 400
 
     run_with_server(parts, body, OPTIONS, max_reply_frames=400)
@@ -156,21 +188,24 @@ def test_deleting_items_takes_their_frames_out_of_the_engines_context(parts) -> 
 
             await conn.send({"type": "conversation.item.delete", "item_id": reply0})
             assert (await until(conn, "conversation.item.deleted")).item_id == reply0
-            assert await eventually(lambda: t1.first_frame == start - reply_frames)
+            s = await the_session(server, lambda s: s.turns[1].first_frame == start - reply_frames)
+            t0, t1 = s.turns
             assert t0.reply_end == t0.reply_start == user_frames
             assert np.array_equal(s.user[t1.first_frame : t1.reply_start], user1)
 
             await conn.send({"type": "conversation.item.delete", "item_id": user0})
             assert (await until(conn, "conversation.item.deleted")).item_id == user0
-            assert await eventually(lambda: t1.first_frame == start - reply_frames - user_frames)
+            s = await the_session(server, lambda s: s.turns[1].first_frame == start - reply_frames - user_frames)
+            t0, t1 = s.turns
             assert t0.first_frame == t0.reply_start == t0.reply_end == 0
             assert np.array_equal(s.user[t1.first_frame : t1.reply_start], user1)
             assert np.array_equal(s.model[t1.reply_start : t1.reply_end], reply1)
 
             third = await manual_turn(conn, seed=2)  # answered from the edited context, in full
             assert third[-1].response.status == "incomplete" and frames_in(third) == 20  # max_reply_frames
+            s = await the_session(server)
             assert s.turns[2].reply_end - s.turns[2].reply_start == 20
-            server.engine.cache.check()
+            await engine_read_async(server.engine, server.engine.cache.check)
 
             await conn.send({"type": "conversation.item.delete", "item_id": user0})
             assert (await until(conn, "error")).error.code == "item_not_found"
@@ -193,20 +228,21 @@ def test_input_audio_buffer_clear_drops_the_uncommitted_frames_in_the_engine(par
             await append(conn, speech(0.5))
             await conn.send({"type": "input_audio_buffer.commit"})
             await until(conn, "input_audio_buffer.committed")
-            s = await the_session(server)
-            assert await eventually(lambda: s.turns and s.turns[0].committed)
+            s = await the_session(server, lambda s: s.turns and s.turns[0].committed, "the commit did not land")
             committed = s.user_frames
             await append(conn, speech(0.5, seed=1))
-            assert await eventually(lambda: s.user_frames > committed)  # encoded: frames of the open turn
+            # encoded: frames of the open turn
+            await the_session(server, lambda s: s.user_frames > committed, "the appended audio did not land")
             await conn.send({"type": "input_audio_buffer.clear"})
             await until(conn, "input_audio_buffer.cleared")
             await conn.send({"type": "input_audio_buffer.commit"})
             assert (await until(conn, "error")).error.code == "input_audio_buffer_commit_empty"
-            assert await eventually(lambda: s.user_frames == committed), (s.user_frames, committed, s.turns)
+            s = await the_session(server, lambda s: s.user_frames == committed, "the clear did not drop the frames")
             assert [t.first_frame for t in s.turns] == [0, committed] and s.turns[0].committed
 
             seen = await manual_turn(conn, seed=2)  # the next audio follows the committed turn's
             assert seen[-1].response.status == "incomplete"
+            s = await the_session(server)
             assert s.turns[1].first_frame == committed and s.turns[1].reply_start is not None
 
     run_with_server(parts, body, OPTIONS)
@@ -244,8 +280,7 @@ def test_session_update_sampling_reaches_the_engine_and_a_bad_one_changes_nothin
             await conn.send({"type": "session.update", "session": {"type": "realtime", "temperature": 0, "seed": 3}})
             updated = await until(conn, "session.updated")
             assert updated.session.to_dict()["temperature"] == 0 and updated.session.to_dict()["seed"] == 3
-            s = await the_session(server)
-            assert await eventually(lambda: s.sampling.temperature == 0 and s.sampling.seed == 3)
+            s = await the_session(server, lambda s: s.sampling.temperature == 0 and s.sampling.seed == 3)
             sampling = s.sampling
             for bad, name in (({"top_k": 2000}, "top_k"), ({"temperature": -1}, "temperature")):
                 await conn.send({"type": "session.update", "session": {"type": "realtime", "seed": 4, **bad}})
@@ -254,7 +289,7 @@ def test_session_update_sampling_reaches_the_engine_and_a_bad_one_changes_nothin
             await conn.send({"type": "session.update", "session": {"type": "realtime"}})
             shown = (await until(conn, "session.updated")).session.to_dict()
             assert (shown["temperature"], shown["top_k"], shown["seed"]) == (0, 250, 3)
-            assert s.sampling is sampling
+            assert (await the_session(server)).sampling is sampling
 
     run_with_server(parts, body, OPTIONS)
 
@@ -275,8 +310,7 @@ def test_a_voice_prompt_is_chosen_before_audio_and_not_after(parts) -> None:
             voice["session"]["audio"]["output"]["voice"] = "alice"
             await conn.send(voice)
             assert (await until(conn, "session.updated")).session.audio.output.voice == "alice"
-            assert await eventually(lambda: first.id not in server.engine.sessions)
-            s = await the_session(server)
+            s = await the_session(server, lambda s: s.id != first.id, "the conversation did not reopen on the voice")
             assert s.prompt_frames == 20 and np.array_equal(s.model[:20].T, codes)
 
             await append(conn, speech(0.3))
@@ -286,7 +320,8 @@ def test_a_voice_prompt_is_chosen_before_audio_and_not_after(parts) -> None:
             assert error.error.code == "invalid_session" and "voice" in error.error.message
             await conn.send({"type": "session.update", "session": {"type": "realtime"}})
             assert (await until(conn, "session.updated")).session.audio.output.voice == "alice"
-            assert list(server.engine.sessions.values()) == [s] and s.prompt_frames == 20
+            assert await engine_read_async(server.engine, lambda: list(server.engine.sessions)) == [s.id]
+            assert (await the_session(server)).prompt_frames == 20
 
     run_with_server(parts, body, OPTIONS, voices={"alice": codes})
 
@@ -333,12 +368,12 @@ def test_a_commit_while_a_response_plays_is_answered_after_it(parts) -> None:
             await conn.send({"type": "input_audio_buffer.commit"})
             await until(conn, "input_audio_buffer.committed", seen)
             assert (await until(conn, "response.done", seen)).response.status == "incomplete"
-            s = await the_session(server)
             await conn.send({"type": "response.create"})  # to the audio committed meanwhile
             try:
                 done = await until(conn, "response.done", timeout=30)
             except TimeoutError:
                 done = None
+            s = await the_session(server)
             reply = s.user[s.turns[0].reply_start : s.turns[0].reply_end]
             heard = int((reply != server.engine.model.config.silent_id).any(axis=1).sum())
             assert done is not None, (

@@ -4,18 +4,20 @@ answers 503 with the reason while a conversation would be refused; each opened c
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 from test_idle_clients import TURN, opened, speak_and_listen
 from test_server import http_status, metric, run_with_server
+from tests_support import next_snapshot, until
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from server.app import ServerOptions
-from server.client import refusal_of
-from server.protocol import Kind, metadata_of
+from server.moshi.client import refusal_of
+from server.moshi.protocol import Kind, metadata_of
+
+pytestmark = pytest.mark.paced  # servers at real time: alone and last (tests/conftest.py)
 
 FULL = "refused: the engine holds its maximum of 1 conversations"
 
@@ -26,6 +28,11 @@ async def refused(url: str) -> tuple[int, str | None, str]:
         async with connect(url):
             pass
     return e.value.response.status_code, e.value.response.headers.get("Retry-After"), refusal_of(e.value)
+
+
+async def healthy_or_none(url: str) -> tuple[int, str] | None:
+    health = await http_status(f"{url}/healthz")
+    return health if health[0] == 200 else None
 
 
 def test_a_full_engine_refuses_before_the_upgrade_and_its_health_check_says_why(parts) -> None:
@@ -39,12 +46,10 @@ def test_a_full_engine_refuses_before_the_upgrade_and_its_health_check_says_why(
             assert (await opened(first))[0]  # open: it holds the engine's one slot
             out["second"] = await refused(url + TURN)
             out["health while full"] = await http_status(f"{url}/healthz")
-        for _ in range(100):  # the server sees the close a moment after the client
-            if (health := await http_status(f"{url}/healthz"))[0] == 200:
-                break
-            await asyncio.sleep(0.05)
-        out["health after"] = health
-        out["refused"] = server.engine.stats.refused  # live: /metrics shows the snapshot of the last busy tick
+        out["health after"] = await until(  # the server sees the close a moment after the client
+            lambda: healthy_or_none(url), what="the server did not take conversations again after the close"
+        )
+        out["refused"] = (await next_snapshot(server.engine)).stats.refused  # (/metrics shows the snapshot too)
         async with connect(url + TURN) as again:
             out["again"] = (await opened(again))[0]
         return out

@@ -1,4 +1,4 @@
-"""s2s/sampling_graphs.py: a round's sampling from static, padded buffers chooses what `sample` chooses.
+"""s2s/runner/sampling_graphs.py: a round's sampling from static, padded buffers chooses what `sample` chooses.
 
 On a CUDA machine the graphs are captured and replayed; on a CPU the same buffers and padding run eagerly, so
 everything but the capture itself is checked here too.
@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from s2s import ModelConfig, S2SModel, SamplingParams, sample
-from s2s.engine import CodesEvent, Engine, EngineConfig
-from s2s.sampling import RandomStream, _unit
-from s2s.sampling_graphs import SamplingGraphs
+from s2s.engine.engine import CodesEvent, Engine, EngineConfig
+from s2s.runner.sampling import RandomStream, _unit
+from s2s.runner.sampling_graphs import SamplingGraphs
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CAPTURE = DEVICE == "cuda"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from s2s.config import ModelConfig
-from s2s.sampling import SamplingParams
-from s2s.scheduler import Scheduler
-from s2s.session import Session
-from s2s.turns import Phase, Turn
+from s2s.engine.session import Session
+from s2s.engine.turns import Phase, Turn
+from s2s.models.config import ModelConfig
+from s2s.runner.sampling import SamplingParams
+from s2s.scheduling.scheduler import Scheduler
 
 CFG = ModelConfig.preset("tiny", num_codebooks=2)
 

@@ -4,23 +4,26 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 import urllib.error
 import urllib.request
 
 import numpy as np
 import pytest
-from tests_support import FRONTENDS
+from tests_support import FRONTENDS, engine_read_async, engine_until, until, wait_until
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from codec.pcm import to_pcm16
 from s2s import Engine, EngineConfig
-from s2s.weights import shipped
-from server import protocol
+from s2s.models.shipped import shipped
 from server.app import ChatServer, ServerOptions
-from server.client import refusal_of, talk
-from server.frontends import Frontends
-from server.protocol import Kind
+from server.frontends.processes import Frontends
+from server.moshi import protocol
+from server.moshi.client import refusal_of, talk
+from server.moshi.protocol import Kind
+from server.scrape import samples
+
+pytestmark = pytest.mark.paced  # servers at real time: alone and last (tests/conftest.py)
 
 
 def speech(seconds: float, seed: int = 0) -> np.ndarray:
@@ -76,6 +79,10 @@ async def http_get(url: str) -> str:
     return await asyncio.to_thread(get)
 
 
+async def is_healthy(url: str) -> bool:
+    return await http_status(f"{url}/healthz") == (200, "ok\n")
+
+
 async def http_status(url: str) -> tuple[int, str]:
     """A GET as `http_get`'s, whatever its status: the status and the body (/healthz: 503 while the server would
     refuse a conversation)."""
@@ -90,11 +97,17 @@ async def http_status(url: str) -> tuple[int, str]:
     return await asyncio.to_thread(get)
 
 
+async def metrics_when(url: str, check) -> str | None:
+    """The server's /metrics text if `check(text)` holds, else None: a predicate for `tests_support.until`."""
+    text = await http_get(f"{url}/metrics")
+    return text if check(text) else None
+
+
 def metric(text: str, name: str, label: str = "") -> float:
-    for line in text.splitlines():
-        if line.startswith(name + (("{" + label + "}") if label else " ")):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"{name} {label} not in /metrics")
+    key = f"{name}{{{label}}}" if label else name
+    if (value := samples(text).get(key)) is None:
+        raise AssertionError(f"{key} not in /metrics")
+    return value
 
 
 @pytest.mark.parametrize("codec", ["pcm16", "opus"])
@@ -119,21 +132,19 @@ def test_health_metrics_and_disconnect_mid_reply_leaks_nothing(parts) -> None:
         assert (await http_get(f"{url}/healthz")).strip() == "ok"
         async with connect(f"{url}/api/chat?mode=turn&codec=pcm16") as ws:
             await ws.recv()  # handshake
-            pcm = (speech(0.5) * 32767).astype("<i2").tobytes()
+            pcm = to_pcm16(speech(0.5))
             for a in range(0, len(pcm), 3840):
                 await ws.send(protocol.audio(pcm[a : a + 3840]))
             await ws.send(protocol.control(protocol.Control.END_TURN))
             while (await ws.recv())[0] != Kind.AUDIO:  # the reply has started
                 pass
-        for _ in range(100):  # the server notices the drop and closes the conversation
-            text = await http_get(f"{url}/metrics")
-            if metric(text, "s2s_conversations") == 0:
-                break
-            await asyncio.sleep(0.05)
-        assert metric(text, "s2s_conversations") == 0
+        text = await until(  # the server notices the drop and closes the conversation
+            lambda: metrics_when(url, lambda text: metric(text, "s2s_conversations") == 0),
+            what="the dropped client's conversation was not closed",
+        )
         assert metric(text, "s2s_kv_pages", 'state="private"') == 0
         assert metric(text, "s2s_kv_pages", 'state="cached_locked"') == 0
-        server.engine.cache.check()
+        await engine_read_async(server.engine, server.engine.cache.check)
 
     run_with_server(parts, body)
 
@@ -218,7 +229,7 @@ def test_an_out_of_range_setting_is_told_and_takes_no_slot(parts, query: str) ->
                 assert closed.value.rcvd.code == 1008
         result = await talk(url, speech(0.3), mode="turn", listen_s=30.0)
         assert result.handshake and not result.errors and len(result.reply)
-        server.engine.cache.check()
+        await engine_read_async(server.engine, server.engine.cache.check)
 
     run_with_server(parts, body, max_conversations=2)
 
@@ -233,7 +244,7 @@ def test_limits(parts) -> None:
                     pass
             assert second.value.response.status_code == 503 and "maximum" in refusal_of(second.value)
             # faster than real time: told, and throttled
-            pcm = (speech(4.0) * 32767).astype("<i2").tobytes()
+            pcm = to_pcm16(speech(4.0))
             for a in range(0, len(pcm), 3840):
                 await first.send(protocol.audio(pcm[a : a + 3840]))
             message = await asyncio.wait_for(first.recv(), 5)
@@ -252,11 +263,8 @@ def test_limits(parts) -> None:
             with pytest.raises(ConnectionClosed):
                 for _ in range(50):
                     await asyncio.wait_for(first.recv(), 5)
-        for _ in range(100):  # its conversation closes a moment after the socket: then the server takes another
-            if (health := await http_status(f"{url}/healthz")) == (200, "ok\n"):
-                break
-            await asyncio.sleep(0.05)
-        assert health == (200, "ok\n"), health
+        # its conversation closes a moment after the socket: then the server takes another
+        await until(lambda: is_healthy(url), what=lambda: "the server takes no conversation after the only one closed")
 
     run_with_server(parts, body, ServerOptions(port=0, max_message_bytes=65536), max_conversations=1)
 
@@ -293,13 +301,13 @@ def test_websocat_receives_the_handshake(parts) -> None:
 def test_vad_ends_the_turn_and_speaking_over_the_reply_interrupts_it(parts) -> None:
     """No end-of-turn message: Silero VAD on the server ends the turn after real speech. Speaking over the reply
     interrupts it, and the server tells the engine the client heard no more of the reply than it was sent."""
-    from server.speech import synthesize
+    from speech.sample import synthesize
 
     question = np.concatenate([synthesize("Good morning. Can you hear me?"), np.zeros(24000, np.float32)])
     interruption = synthesize("Wait, stop, I have another question.")
 
     async def send_real_time(ws, wav: np.ndarray) -> None:
-        pcm = (np.clip(wav, -1, 1) * 32767).astype("<i2").tobytes()
+        pcm = to_pcm16(wav)
         for a in range(0, len(pcm), 3840):
             await ws.send(protocol.audio(pcm[a : a + 3840]))
             await asyncio.sleep(0.08)
@@ -324,20 +332,25 @@ def test_vad_ends_the_turn_and_speaking_over_the_reply_interrupts_it(parts) -> N
 
             counter = asyncio.create_task(count())
             await send_real_time(ws, question)
-            for _ in range(600):  # a loaded machine may take a while; the reply, not its timing, is the point
-                if received >= 5:
-                    break
-                await asyncio.sleep(0.05)
-            assert received >= 5, f"VAD did not end the turn: no reply (gate dropped {dict(server.gate.dropped)})"
+            await until(  # a loaded machine may take a while; the reply, not its timing, is the point
+                lambda: received >= 5,
+                30,
+                lambda: f"VAD did not end the turn: no reply (gate dropped {dict(server.gate.dropped)})",
+            )
             await send_real_time(ws, interruption)
-            await asyncio.sleep(0.3)
-            [session] = engine.snapshot().sessions
-            [times] = [s.turns[0].times for s in engine.sessions.values()]
+
+            def interrupted() -> tuple | None:  # on the engine thread
+                (s,) = engine.sessions.values()
+                first = s.turns[0]
+                return (s.turns[-1].id, s.phase.value) if "interrupted" in first.times and len(s.turns) > 1 else None
+
+            turn, phase = await engine_until(
+                engine, interrupted, 30, "speaking over the reply did not interrupt it (or it had ended before)"
+            )
             sent_by_then = received
             counter.cancel()
-        assert session["turn"] == 1 and session["phase"] != "reply", "speaking over the reply did not interrupt it"
-        assert "interrupted" in times, "the reply had ended before the user spoke over it"
-        assert heard[-1] <= sent_by_then  # the barge-in: no more heard than was sent
+        assert turn == 1 and phase != "reply", (turn, phase)
+        assert heard and heard[-1] <= sent_by_then  # the barge-in: no more heard than was sent
 
     run_with_server(parts, body, max_reply_frames=400)
 
@@ -370,7 +383,7 @@ def test_fuzzed_messages_beside_a_healthy_duplex_conversation(tmp_path) -> None:
     import sys
     from pathlib import Path
 
-    from server.audio import save_wav
+    from codec.pcm import save_wav
     from server.process import ServerProcess
 
     wav = tmp_path / "healthy.wav"
@@ -408,19 +421,18 @@ def test_fuzzed_messages_beside_a_healthy_duplex_conversation(tmp_path) -> None:
         assert fuzzer.returncode == 0 and "still answers" in fuzzer.stdout, fuzzer.stdout + fuzzer.stderr
         assert healthy.returncode == 0 and "server error" not in said, said
         assert float(said.split("got ")[1].split(" s")[0]) >= 5.0, said
-        for _ in range(50):  # the connections' close reaches the engine a moment after the clients'
-            text = asyncio.run(http_get(f"{url}/metrics"))
-            if metric(text, "s2s_conversations") == 0:
-                break
-            time.sleep(0.1)
-        assert metric(text, "s2s_conversations") == 0 and metric(text, "s2s_kv_pages", 'state="private"') == 0
+        text = wait_until(  # the connections' close reaches the engine a moment after the clients'
+            lambda: asyncio.run(metrics_when(url, lambda text: metric(text, "s2s_conversations") == 0)),
+            what="the clients' conversations were not closed",
+        )
+        assert metric(text, "s2s_kv_pages", 'state="private"') == 0
         assert metric(text, "s2s_deadline_misses_total") == 0, "the healthy conversation missed deadlines"
 
 
 def test_voice_prompt_folder(parts, tmp_path) -> None:
     """Prompts are encoded once from a folder and chosen by plain name; conversations sharing one share its prefix."""
-    from server.audio import save_wav
-    from server.prompts import load_prompts
+    from codec.pcm import save_wav
+    from s2s.build import load_prompts
 
     model, tok = parts
     save_wav(tmp_path / "narrator.wav", speech(1.0, seed=3))
@@ -438,7 +450,7 @@ def test_voice_prompt_folder(parts, tmp_path) -> None:
         first = await talk(url, speech(0.3), mode="turn", listen_s=30, voice="narrator")
         second = await talk(url, speech(0.3), mode="turn", listen_s=30, voice="narrator")
         assert first.handshake and second.handshake and not first.errors + second.errors
-        return server.engine.cache.stats().hit_steps
+        return server.engine.snapshot().cache.hit_steps  # (the last tick's: the second conversation's are in)
 
     assert run_with_server(parts, body) >= 64  # the second conversation reused the prompt's pages
 

@@ -5,13 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 
-from test_server import http_get, metric, run_with_server, speech
+import pytest
+from test_server import metric, metrics_when, run_with_server, speech
+from tests_support import engine_read_async, engine_until, snapshot_until, spy_pushes, until
 from websockets.asyncio.client import connect
 
-from server import protocol
-from server.protocol import Control, Kind
+from codec.pcm import to_pcm16
+from server.moshi import protocol
+from server.moshi.protocol import Control, Kind
 
-PCM = (speech(1.0) * 32767).astype("<i2").tobytes()
+pytestmark = pytest.mark.paced  # servers at real time: alone and last (tests/conftest.py)
+
+PCM = to_pcm16(speech(1.0))
 
 
 async def send_speech(ws) -> None:
@@ -34,6 +39,15 @@ async def until_event(ws, name: str) -> int:
 def test_pause_start_and_restart_over_moshi_controls(parts) -> None:
     async def body(url, server):
         engine = server.engine
+        pushed = spy_pushes(engine)
+
+        def conversation() -> tuple[int, int, bool, list[int]]:  # on the engine thread: its live session
+            (s,) = engine.sessions.values()
+            return s.computed, s.user_frames, s.paused, [t.id for t in s.turns]
+
+        async def all_pushed(since: int) -> None:  # the server paces what it hands the engine at real time
+            await until(lambda: sum(pushed[since:]) >= len(PCM) // 2, 30, "the speech did not all reach the engine")
+
         # the reply audio this test never reads must not fill the client's queue: a full queue stops the client
         # reading, so the server's close frame would go unseen and the close wait out its 10 s timeout
         async with connect(f"{url}/api/chat?codec=pcm16", max_queue=None) as ws:
@@ -42,25 +56,29 @@ def test_pause_start_and_restart_over_moshi_controls(parts) -> None:
             await send_speech(ws)
             await ws.send(protocol.control(Control.PAUSE))
             await until_event(ws, "paused")
-            (s,) = engine.sessions.values()
-            await asyncio.sleep(0.3)  # the engine's ticks go on without it
-            paused_at = (s.computed, s.user_frames)
+            computed, user_frames, paused, _ = await engine_read_async(engine, conversation)
+            assert paused
+            ticks = engine.snapshot().stats.ticks
+            since = len(pushed)
             await send_speech(ws)  # dropped: its stream is stopped
-            await asyncio.sleep(0.3)
-            assert (s.computed, s.user_frames) == paused_at and s.paused
+            await all_pushed(since)
+            await snapshot_until(engine, lambda s: s.stats.ticks >= ticks + 3, what="the engine stopped ticking")
+            assert await engine_read_async(engine, conversation) == (computed, user_frames, True, [0])
             await ws.send(protocol.control(Control.START))
             await until_event(ws, "started")
             await send_speech(ws)
-            await asyncio.sleep(0.5)
-            assert s.user_frames > paused_at[1] and s.computed > paused_at[0]
+            await engine_until(
+                engine,
+                lambda: (c := conversation())[0] > computed and c[1] > user_frames,
+                what="a started stream took no more input, or computed none",
+            )
             await ws.send(protocol.control(Control.RESTART))
             await until_event(ws, "restarted")
-            assert s.turns[0].id == 0 and len(s.turns) == 1 and s.user_frames < paused_at[1]
+            _, restarted_frames, _, turns = await engine_read_async(engine, conversation)
+            assert turns == [0] and restarted_frames < user_frames
             await send_speech(ws)  # it goes on from the prompt
-            async with asyncio.timeout(30):
-                while s.user_frames < 60:
-                    await asyncio.sleep(0.05)
-        engine.cache.check()
+            await engine_until(engine, lambda: conversation()[1] >= 60, what="the restarted stream took no input")
+        await engine_read_async(engine, engine.cache.check)
 
     run_with_server(parts, body)
 
@@ -76,12 +94,14 @@ def test_a_client_that_vanishes_without_a_close_frame_frees_everything(parts) ->
             while (await ws.recv())[0] != Kind.AUDIO:  # it is speaking
                 pass
             ws.transport.abort()  # no close frame: the TCP connection just ends
-        async with asyncio.timeout(30):
-            while metric(text := await http_get(f"{url}/metrics"), "s2s_conversations") != 0:
-                await asyncio.sleep(0.05)
+        text = await until(
+            lambda: metrics_when(url, lambda text: metric(text, "s2s_conversations") == 0),
+            what="the server did not close the vanished clients' conversations",
+        )
         assert metric(text, "s2s_kv_pages", 'state="private"') == 0
         assert metric(text, "s2s_kv_pages", 'state="cached_locked"') == 0
-        assert not server.engine.sessions
-        server.engine.cache.check()
+        engine = server.engine
+        assert await engine_read_async(engine, lambda: list(engine.sessions)) == []
+        await engine_read_async(engine, engine.cache.check)
 
     run_with_server(parts, body)

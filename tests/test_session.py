@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from s2s import ModelConfig, SamplingParams
-from s2s.session import UNKNOWN, Session
+from s2s.engine.session import UNKNOWN, Session
 
 
 def by_steps(conv: Session, start: int, limit: int) -> list[np.ndarray]:

@@ -23,19 +23,21 @@ def falls(folder) -> bool:
     return curve(folder)[-1]["loss"] < curve(folder)[0]["loss"]
 
 
-def test_train_codec_quick(tmp_path) -> None:
+def test_train_codec_quick(tmp_path, cores: int) -> None:
     out = tmp_path / "codec"
-    run("train", "codec", "--quick", "--steps", "30", "--warmup-steps", "10", "--out", str(out))
+    run(
+        "train", "codec", "--quick", "--steps", "30", "--warmup-steps", "10", "--out", str(out), "--threads", str(cores)
+    )
     assert falls(out) and [c["step"] for c in curve(out)] == [0, 10, 20]  # 30 steps, not --quick's 60
     EncodecModel.from_pretrained(out)
     tok = EncodecTokenizer.from_pretrained(out, bandwidth=1.5)
     assert tok.num_codebooks == 2
 
 
-def test_train_echo_quick(tmp_path) -> None:
-    """On the shipped codec's codes."""
+def test_train_echo_quick(tmp_path, cores: int) -> None:
+    """On the shipped codec's codes (on this worker's cores: `cores_of_this_worker`)."""
     out = tmp_path / "echo"
-    run("train", "echo", "--quick", "--steps", "12", "--out", str(out))
+    run("train", "echo", "--quick", "--steps", "12", "--out", str(out), "--threads", str(cores))
     assert falls(out) and [c["step"] for c in curve(out)] == [0, 10]  # 12 steps, not --quick's 30
     model = S2SModel.from_pretrained(out)
     backbone = LlamaModel(model.config.to_llama_config())

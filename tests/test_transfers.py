@@ -1,4 +1,4 @@
-"""s2s/transfers.py: copies that do not wait for the device still deliver each round's values, in order.
+"""s2s/runner/transfers.py: copies that do not wait for the device still deliver each round's values, in order.
 
 On a CUDA machine through pinned buffers and events (`scripts/gpu_check.sh` runs this file there); on a CPU the plain
 copies they fall back to.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from s2s.transfers import HostCopy, Staging
+from s2s.runner.transfers import HostCopy, Staging
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

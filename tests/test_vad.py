@@ -1,12 +1,12 @@
-"""server/vad.py on real speech made with espeak-ng."""
+"""server/vad/endpointer.py on real speech made with espeak-ng."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from server.speech import synthesize
-from server.vad import Endpointer, VadConfig
+from server.vad.endpointer import Endpointer, VadConfig
+from speech.sample import synthesize
 
 
 def test_endpointer_finds_the_turn_in_real_speech() -> None:

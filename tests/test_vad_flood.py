@@ -1,9 +1,8 @@
-"""Flood control (server/vad.py, server/turn_gate.py): a spurious turn costs no reply, a real one still gets its
-reply, a saturated engine answers only confident turns, and a turn the user only paused in is taken back."""
+"""Flood control (server/vad/endpointer.py, server/vad/turn_gate.py): a spurious turn costs no reply, a real one still
+gets its reply, a saturated engine answers only confident turns, and a turn the user only paused in is taken back."""
 
 from __future__ import annotations
 
-import asyncio
 from collections import deque
 from dataclasses import replace
 from types import SimpleNamespace
@@ -11,14 +10,17 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
-from test_server import http_get, metric, run_with_server
+from test_server import http_get, metric, metrics_when, run_with_server
+from tests_support import engine_until, until
 
+from codec.pcm import to_pcm16
 from s2s import Engine, EngineConfig, ModelConfig, S2SModel, SamplingParams
-from s2s.turns import Phase
-from server import protocol
-from server.speech import synthesize
-from server.turn_gate import TurnGate
-from server.vad import Endpointer, TurnScore, VadConfig
+from s2s.engine.turns import Phase
+from server.moshi import protocol
+from server.vad.config import TurnScore, VadConfig
+from server.vad.endpointer import Endpointer
+from server.vad.turn_gate import TurnGate
+from speech.sample import synthesize
 
 PLAIN = VadConfig(min_speech_s=0, min_confidence=0, resume_s=0)  # the endpointer before flood control
 
@@ -44,8 +46,8 @@ def sentence() -> np.ndarray:
     return voiced("Book a table for two, please.")
 
 
-def endpoint(cfg: VadConfig, *parts: np.ndarray) -> tuple[list[str], Endpointer]:
-    vad, events, audio = Endpointer(cfg), [], np.concatenate(parts)
+def endpoint(cfg: VadConfig, *parts: np.ndarray, gate: TurnGate | None = None) -> tuple[list[str], Endpointer]:
+    vad, events, audio = Endpointer(cfg, gate), [], np.concatenate(parts)
     for a in range(0, len(audio), 1920):
         events += vad.push(audio[a : a + 1920])
     return events, vad
@@ -54,7 +56,7 @@ def endpoint(cfg: VadConfig, *parts: np.ndarray) -> tuple[list[str], Endpointer]
 def saturated_engine(reply_phases: int, tick_s: float = 0.0, listening: int = 2) -> SimpleNamespace:
     """What `TurnGate` reads of an engine: its snapshot (its sessions: replies in flight, and `listening` others;
     recent tick times) and `cfg.tick_s`."""
-    stats = SimpleNamespace(ticks=1, tick_seconds=deque([tick_s] * 16))
+    stats = SimpleNamespace(ticks=1, recent_tick_seconds=deque([tick_s] * 16))
     sessions = [{"phase": "reply"}] * reply_phases + [{"phase": "listen"}] * listening
     snapshot = SimpleNamespace(stats=stats, sessions=sessions)
     return SimpleNamespace(snapshot=lambda: snapshot, cfg=SimpleNamespace(tick_s=0.05))
@@ -64,7 +66,7 @@ def test_a_short_fragment_is_no_turn(fragment) -> None:
     before, _ = endpoint(PLAIN, silence(0.5), fragment, silence(1.0))
     assert before == ["speech_start", "end_of_turn"]  # what used to cost a reply
     gate = TurnGate(saturated_engine(0), VadConfig())
-    events, vad = endpoint(VadConfig(gate=gate), silence(0.5), fragment, silence(1.0))
+    events, vad = endpoint(VadConfig(), silence(0.5), fragment, silence(1.0), gate=gate)
     assert events == ["speech_start", "speech_end"] and vad.turn.problem(vad.cfg) == "short"
     assert gate.dropped == {"short": 1} and gate.passed == 0
 
@@ -114,11 +116,12 @@ def test_the_gate_counts_replies_in_the_engines_snapshot() -> None:
     assert not gate.admit(unsure) and gate.dropped == {"saturated": 1}
 
 
+@pytest.mark.paced  # a server at real time: alone and last (tests/conftest.py)
 def test_through_the_server_a_fragment_gets_no_reply_and_a_pause_is_taken_back(parts, fragment, sentence) -> None:
     """Over one connection: a fragment (no turn), a sentence (a turn: its reply starts), a pause of 0.8 s and
     another sentence (the reply is cancelled unheard), then silence (one reply, to both sentences)."""
     audio = np.concatenate([silence(0.3), fragment, silence(1.0), sentence, silence(0.8), sentence, silence(1.0)])
-    pcm = (np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes()
+    pcm = to_pcm16(audio)
 
     async def body(url, server):
         from websockets.asyncio.client import connect
@@ -126,13 +129,21 @@ def test_through_the_server_a_fragment_gets_no_reply_and_a_pause_is_taken_back(p
         async with connect(f"{url}/api/chat?mode=turn&codec=pcm16") as ws:
             for a in range(0, len(pcm), 3840):
                 await ws.send(protocol.audio(pcm[a : a + 3840]))
-            for _ in range(400):  # until the second end of turn has started its reply
-                sessions = list(server.engine.sessions.values())
-                gate = await http_get(f"{url}/metrics")  # the gate's counts (every front end's, with front ends)
-                if metric(gate, "s2s_turns_passed_total") == 2 and sessions[0].turns[-1].reply_start is not None:
-                    break
-                await asyncio.sleep(0.05)
-            turns = [replace(t) for t in sessions[0].turns]
+            # the gate's counts (every front end's, with front ends): until it has passed the second end of turn
+            await until(
+                lambda: metrics_when(url, lambda text: metric(text, "s2s_turns_passed_total") == 2),
+                what="the gate did not pass two turns",
+            )
+            engine = server.engine
+
+            def replying() -> list | None:  # on the engine thread: the turns, once the second has its reply started
+                (s,) = engine.sessions.values()
+                return (
+                    [replace(t, times=dict(t.times)) for t in s.turns] if s.turns[-1].reply_start is not None else None
+                )
+
+            turns = await engine_until(engine, replying, 20, "the second end of turn did not start a reply")
+            gate = await http_get(f"{url}/metrics")
             ws.transport.abort()  # not a close: the server reads no close frame while it paces the audio still due
             return gate, turns
 

@@ -11,14 +11,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tests_support import ServerThread
+from tests_support import ServerThread, engine_read_async
 
 from bench import web_bench
 from bench.browser import CHROMIUM, open_page
 from s2s import Engine, EngineConfig
 from server.app import ServerOptions
 
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (scripts/setup.sh installs it)")
+pytestmark = [
+    pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (scripts/setup.sh installs it)"),
+    pytest.mark.paced,  # a browser and a server at real time: alone and last (tests/conftest.py)
+]
 ROWS = "[...document.querySelectorAll('#turns tbody tr')].map(r => [...r.cells].map(c => c.textContent))"
 WAV = """(async () => {
   const wav = new DataView(await (await fetch(document.getElementById("download").href)).arrayBuffer());
@@ -89,13 +92,13 @@ def test_the_voice_picker_lists_the_prompts_and_sends_the_one_chosen(parts, micr
             await page.evaluate("window.s2sStart()")
             await page.wait_for("window.s2s.connected")
             await page.wait_for("window.s2s.sentBlocks > 5")
-            [session] = engine.sessions.values()
-            return settings, options, await page.state(), session.prompt_frames
+            prompts = await engine_read_async(engine, lambda: [s.prompt_frames for s in engine.sessions.values()])
+            return settings, options, await page.state(), prompts
 
-    settings, options, state, prompt_frames = serve(parts, body, voices=voices)
+    settings, options, state, prompts = serve(parts, body, voices=voices)
     assert settings["voices"] == ["alice", "bob"] and settings["sampling"]["temperature"] == 0.8
     assert options == ["", "alice", "bob"]
-    assert "voice=bob" in state["url"] and prompt_frames == 30
+    assert "voice=bob" in state["url"] and prompts == [30], prompts
 
 
 def test_a_refusal_and_a_wrong_token_each_show_a_message_and_a_retry(parts, microphone: Path) -> None:

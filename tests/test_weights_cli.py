@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 
 from s2s import S2SModel
-from s2s.weights import shipped
-from server.cli import add_engine_args, weights_of
+from s2s.models.shipped import shipped
+from server.cli.engine_args import weights_of
+from server.cli.options import add_engine_args
 
 
 def engine_args(*argv: str) -> argparse.Namespace:

@@ -10,19 +10,19 @@ import argparse
 
 import uvloop
 
-from server.cli import add_server_args
+from server.cli.options import add_server_args, server_options
 
 MODULE = "bench.cascade.serve"
 
 
 async def _serve(args: argparse.Namespace) -> None:
-    from server.cli import engine_of, placement_of, serve_until_sigterm, server_options
-
     options = server_options(args)  # a bad one exits before the engines' imports
     # imported here, not above: the speech-to-text workers are spawned, and a spawned process imports its parent's
     # main module (this one) first, which would cost each of them the engine's imports (seconds) for nothing
     from bench.cascade.server import CascadeServer
     from bench.cascade.text import text_engine_for
+    from server.app import serve_until_sigterm
+    from server.cli.engine_args import engine_of, placement_of
 
     speech, _ = engine_of(args)  # first: it sets the torch threads both engines calibrate with
     device, dtype = placement_of(args)

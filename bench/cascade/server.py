@@ -5,7 +5,8 @@ measures this server against.
 Stages of one turn, each stamped (`time.perf_counter`, the same monotonic clock as the engines') into the metadata
 message sent right after the first reply audio:
 
-- endpointing: `server/vad.py`'s `Endpointer`, the turn mode's settings except `silence_ms` (a query parameter);
+- endpointing: `server/vad/endpointer.py`'s `Endpointer`, the turn mode's settings except `silence_ms` (a query
+  parameter);
 - speech-to-text: pocketsphinx (`bench/cascade/stt.py`) in worker processes, fed while the user speaks; at the
   endpoint only its final search is left. Accuracy on espeak-ng voices is poor; what is measured is latency;
 - text decoder: `S2SModel` with one codebook of 256 bytes, the speech model's size, served by a codec-free `Engine`
@@ -39,17 +40,16 @@ from websockets.exceptions import ConnectionClosed
 
 from bench.cascade.stt import AtCapacity, SttStream, SttWorkers, default_workers
 from bench.cascade.text import FRAMES_PER_CHAR, PHRASE_CHARS, printable, split_phrase
+from codec.pcm import load_wav
 from s2s import AudioEvent, Engine, MetaEvent, Refused, SamplingParams
-from s2s.engine import CodesEvent
-from server import protocol
+from s2s.engine.engine import CodesEvent
 from server.app import ChatServer, ServerOptions
-from server.audio import load_wav
 from server.connection import Connection, Opener
-from server.moshi import MoshiWire, sampling_of
-from server.protocol import ProtocolError
-from server.session import events
-from server.speech import SAMPLE_PATH, synthesize
-from server.vad import VadConfig
+from server.engine_session import events
+from server.moshi.endpoint import MoshiWire, protocol, sampling_of
+from server.moshi.protocol import ProtocolError
+from server.vad.config import VadConfig
+from speech.sample import SAMPLE_PATH, synthesize
 
 log = logging.getLogger("s2s.cascade")
 
@@ -132,6 +132,7 @@ class CascadeSession:
         vad: VadConfig,
     ):
         self.server, self.conn, self.tts, self.opened, self.stt, self.vad = server, conn, tts, opened, stt, vad
+        self.gate = None  # every turn end is answered: the speech engine's load is not the cascade's
         self.text_cid = opened[0][1]
         self.speech_cid = opened[1][1] if tts == "engine" else None
         self.info = {"session": self.text_cid, "mode": "turn", "tts": tts}

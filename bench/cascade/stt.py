@@ -26,6 +26,8 @@ from multiprocessing.connection import wait
 import numpy as np
 import soxr
 
+from codec.pcm import SAMPLE_RATE, to_pcm16
+
 try:
     from pocketsphinx import Decoder
 except ImportError as e:
@@ -36,7 +38,6 @@ except ImportError as e:
 
 log = logging.getLogger("s2s.stt")
 RATE = 16000
-IN_RATE = 24000
 
 
 class Transcriber:
@@ -44,14 +45,14 @@ class Transcriber:
 
     def __init__(self):
         self.decoder = Decoder(samprate=RATE, logfn=os.devnull)
-        self.resampler = soxr.ResampleStream(IN_RATE, RATE, 1, dtype="float32")
+        self.resampler = soxr.ResampleStream(SAMPLE_RATE, RATE, 1, dtype="float32")
         self.decoder.start_utt()
 
     def push(self, pcm: np.ndarray) -> None:
         """User PCM (float32, 24 kHz) into the running search."""
         audio = self.resampler.resample_chunk(np.asarray(pcm, dtype=np.float32))
         if len(audio):
-            self.decoder.process_raw((np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes(), False, False)
+            self.decoder.process_raw(to_pcm16(audio), False, False)
 
     def final(self) -> str:
         """End the utterance: the final search over what was pushed; the next pushes start a new utterance."""
@@ -62,7 +63,7 @@ class Transcriber:
 
     def reset(self) -> None:
         self.decoder.end_utt()
-        self.resampler = soxr.ResampleStream(IN_RATE, RATE, 1, dtype="float32")
+        self.resampler = soxr.ResampleStream(SAMPLE_RATE, RATE, 1, dtype="float32")
         self.decoder.start_utt()
 
 
@@ -86,10 +87,10 @@ def _calibrate(pcm: np.ndarray) -> float:
     """Seconds of search per second of audio, on a decoder of its own (not one a stream will use)."""
     t = Transcriber()
     start = time.perf_counter()
-    for a in range(0, len(pcm), IN_RATE // 10):
-        t.push(pcm[a : a + IN_RATE // 10])
+    for a in range(0, len(pcm), SAMPLE_RATE // 10):
+        t.push(pcm[a : a + SAMPLE_RATE // 10])
     t.final()
-    return (time.perf_counter() - start) / (len(pcm) / IN_RATE)
+    return (time.perf_counter() - start) / (len(pcm) / SAMPLE_RATE)
 
 
 def _open(sid: int) -> None:
@@ -141,7 +142,7 @@ class SttStream:
 
     async def push(self, pcm: np.ndarray) -> None:
         busy = await self._call(_push, self.sid, pcm)
-        self.workers.account(busy, len(pcm) / IN_RATE)
+        self.workers.account(busy, len(pcm) / SAMPLE_RATE)
 
     async def final(self) -> str:
         text, busy = await self._call(_final, self.sid)

@@ -11,8 +11,8 @@ import numpy as np
 
 from bench.prefix.engine_reads import pages_held, session_ids
 from codec.pcm import SAMPLE_RATE
-from s2s.engine import AudioEvent, Engine, MetaEvent, Refused
-from server.client import BLOCK  # user audio in 80 ms blocks when streamed
+from s2s.engine.engine import AudioEvent, Engine, MetaEvent, Refused
+from server.moshi.client import BLOCK  # user audio in 80 ms blocks when streamed
 
 BARGE_IN_FRAMES = 11  # frames of the reply the user hears before speaking over it (not a page boundary)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cache import CacheStats
-from s2s.engine import Engine
+from s2s.engine.engine import Engine
 
 
 def session_ids(engine: Engine) -> list[str]:
@@ -45,7 +45,7 @@ class EngineCounters:
 
 def counters(engine: Engine) -> EngineCounters:
     return EngineCounters(
-        engine.stats.busy_seconds,  # every tick (`tick_seconds` keeps only the last 10,000)
+        engine.stats.busy_seconds,  # every tick's time
         engine.cache.stats(),
         engine.stats.deadline_misses,
         engine.stats.out_of_pages,

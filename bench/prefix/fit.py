@@ -9,7 +9,7 @@ from bench.prefix.engine_reads import bytes_per_page, prefill_pending
 from bench.prefix.run import make_engine
 from codec import EncodecTokenizer
 from s2s import S2SModel, SamplingParams
-from s2s.engine import Refused
+from s2s.engine.engine import Refused
 
 
 def fit_count(model: S2SModel, tok: EncodecTokenizer, mode: str, scale: Scale, clip_frames: int) -> dict:

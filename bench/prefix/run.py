@@ -17,8 +17,8 @@ from bench.prefix.workloads import Workload, shared_scripts
 from codec import EncodecTokenizer
 from codec.pcm import SAMPLE_RATE
 from s2s import ModelConfig, S2SModel
-from s2s.engine import Engine, EngineConfig
-from server.speech import synthesize
+from s2s.engine.engine import Engine, EngineConfig
+from speech.sample import synthesize
 
 WORDS_PER_MINUTE = 220
 QUESTIONS = [

@@ -11,7 +11,7 @@ import numpy as np
 from bench.common import percentiles
 from bench.prefix.config import MODES
 from bench.prefix.run import Run
-from s2s.engine import FRAME_S
+from codec.pcm import FRAME_S
 
 RunsByKey = dict[tuple[str, float, str], list[Run]]  # (workload, shared fraction, mode) -> its runs, one a round
 

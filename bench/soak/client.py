@@ -17,10 +17,10 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from bench.soak.plans import Plan
-from codec.pcm import SAMPLE_RATE
-from server import protocol
-from server.client import refusal_of
-from server.protocol import BLOCK, Control, Kind, metadata_of
+from codec.pcm import SAMPLE_RATE, to_pcm16
+from server.moshi import protocol
+from server.moshi.client import refusal_of
+from server.moshi.protocol import BLOCK, Control, Kind, metadata_of
 
 REFUSED = (429, 503)  # the HTTP statuses of a refused upgrade: the server is full or drains (503), or 429 for a
 # client at its limit of conversations; the body is "refused: REASON"
@@ -45,10 +45,6 @@ class Events(list):
 
     def between(self, t0: float, t1: float) -> list[Event]:
         return [e for e in self if t0 <= e.t < t1]
-
-
-def pcm16(block: np.ndarray) -> bytes:
-    return (np.clip(block, -1, 1) * 32767).astype("<i2").tobytes()
 
 
 class Microphone:
@@ -89,7 +85,7 @@ class Microphone:
             if self.muted:
                 continue
             block, done = self.next_block()
-            await self.send(protocol.audio(pcm16(block)))
+            await self.send(protocol.audio(to_pcm16(block)))
             if done is not None and not done.done():
                 done.set_result(time.monotonic())
 

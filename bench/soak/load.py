@@ -16,8 +16,8 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from bench.common import scrape
 from bench.soak.client import REFUSED, Events, Microphone, SoakClient
 from bench.soak.plans import Mix, make_plan
-from server.client import refusal_of
-from server.protocol import Kind
+from server.moshi.client import refusal_of
+from server.moshi.protocol import Kind
 
 
 async def _drain(ws: ClientConnection) -> None:

@@ -147,7 +147,7 @@ def plot(samples: list[dict], waves: list[dict], path: Path, title: str) -> None
     lines(axes[0, 0], [("rss_mb", "server RSS")], "MB")
     states = ["cached_evictable", "cached_locked", "private"]
     lines(axes[0, 1], [(f"pages_{s}", s) for s in states], "K/V pages")
-    lines(axes[0, 2], [("tick_ms_mean", "mean"), ("tick_ms_p50_last1000", "p50, last 1000 ticks")], "tick ms")
+    lines(axes[0, 2], [("tick_ms_mean", "mean"), ("tick_ms_p95", "p95")], "tick ms")
     first_audio = [("first_audio_ms_p50", "client p50"), ("first_audio_ms_p95", "client p95")]
     lines(axes[1, 0], [*first_audio, ("server_ttfa_ms_p95", "server TTFA p95")], "first audio ms")
     lines(axes[1, 1], [("conversations", "server: conversations"), ("clients_live", "clients live")], "count")

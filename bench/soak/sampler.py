@@ -1,6 +1,6 @@
 """Every few seconds, one row for the interval since the last: the server's RSS (VmRSS of its process), K/V pages by
-state, conversations, tick time and deadline misses (from /metrics), and what the clients saw (first-audio latency
-of turns, refusals, errors)."""
+state, conversations, tick time (mean and p95) and deadline misses (from /metrics), and what the clients saw
+(first-audio latency of turns, refusals, errors)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from bench.common import scrape
 from bench.concurrency_bench import rss_bytes
 from bench.soak.client import Event, Events
 from bench.soak.load import pages
+from server.scrape import quantile
 
 # client event kinds counted in each row, as columns
 COUNTED = ("opened", "refused", "error", "dropped", "failed", "no_reply", "barge_in", "barge_in_missed", "silent")
@@ -45,7 +46,7 @@ def interval_row(
         "clients_live": live,
         "ticks": int(ticks),
         "tick_ms_mean": 1000 * _delta(m, prev, "s2s_busy_seconds_total") / ticks if ticks else float("nan"),
-        "tick_ms_p50_last1000": 1000 * m["s2s_tick_seconds_p50"] if "s2s_tick_seconds_p50" in m else float("nan"),
+        "tick_ms_p95": 1000 * quantile(m, prev, "s2s_tick_seconds", 0.95),
         "deadline_misses": int(_delta(m, prev, "s2s_deadline_misses_total")),
         "refused_by_server": int(_delta(m, prev, "s2s_refused_total")),
         "preempted": int(_delta(m, prev, "s2s_preempted_total")),

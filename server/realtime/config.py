@@ -10,11 +10,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, replace
 
+from codec.pcm import SAMPLE_RATE
 from s2s import SamplingParams
-from server.protocol import ProtocolError
-from server.vad import VadConfig
+from server.moshi.protocol import ProtocolError
+from server.vad.config import VadConfig
 
-RATE = 24000
 STOP_BELOW_START = 0.15  # Silero's usual stop threshold under the start one
 MAX_MS = 10_000  # the longest silence or prefix padding a turn detection setting may ask for
 
@@ -79,7 +79,7 @@ class SessionConfig:
                 "instructions": "",
                 **sampling,
             }
-        fmt = {"type": "audio/pcm", "rate": RATE}
+        fmt = {"type": "audio/pcm", "rate": SAMPLE_RATE}
         return {
             "type": "realtime",
             "id": session_id,
@@ -171,8 +171,13 @@ class _Reader:
                     self._as_is(key, value, name)
 
     def _format(self, name: str, value: object) -> None:
-        if not isinstance(value, dict) or value.get("type") != "audio/pcm" or value.get("rate", RATE) != RATE:
-            self.problems.append(f"{name}: only {{'type': 'audio/pcm', 'rate': {RATE}}} is supported, got {value!r}")
+        if (
+            not isinstance(value, dict)
+            or value.get("type") != "audio/pcm"
+            or value.get("rate", SAMPLE_RATE) != SAMPLE_RATE
+        ):
+            supported = {"type": "audio/pcm", "rate": SAMPLE_RATE}
+            self.problems.append(f"{name}: only {supported} is supported, got {value!r}")
         elif unknown := set(value) - {"type", "rate"}:
             self.problems.append(f"{name}: unknown fields {sorted(unknown)}")
 

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 from websockets.datastructures import Headers
 
 from server.connection import Connection, Opener
-from server.protocol import ProtocolError
+from server.moshi.protocol import ProtocolError
 from server.realtime.session import RealtimeSession
 from server.realtime.wire import RealtimeWire
 from server.turn_metrics import TurnMetrics
-from server.vad import VadConfig
+from server.vad.config import Gate, VadConfig
 
 if TYPE_CHECKING:
     from s2s import Engine
@@ -23,8 +23,9 @@ DEFAULT_MODEL = "s2s"  # the model name shown when the client names none
 
 
 class RealtimeEndpoint:
-    def __init__(self, engine: Engine, vad: VadConfig, served_model_name: str | None, metrics: TurnMetrics):
-        self.engine, self.vad, self.served_model_name, self.metrics = engine, vad, served_model_name, metrics
+    def __init__(self, engine: Engine, vad: VadConfig, gate: Gate, served_model_name: str | None, metrics: TurnMetrics):
+        self.engine, self.vad, self.gate, self.metrics = engine, vad, gate, metrics
+        self.served_model_name = served_model_name
 
     def error(self, text: str) -> str:
         return RealtimeWire(beta=False).error(text)
@@ -39,7 +40,7 @@ class RealtimeEndpoint:
         wire = RealtimeWire(beta="realtime=v1" in headers.get("OpenAI-Beta", ""))
 
         async def open_session(conn: Connection) -> RealtimeSession:
-            session = await RealtimeSession.open(self.engine, conn, self.vad, model, self.metrics, voice)
+            session = await RealtimeSession.open(self.engine, conn, self.vad, self.gate, model, self.metrics, voice)
             self.metrics.opened("realtime")
             return session
 

@@ -1,4 +1,5 @@
-"""A Realtime conversation's items and responses, and the objects each dialect shows of them."""
+"""A Realtime conversation's items and responses, the objects each dialect shows of them, and the checks on the
+client events that make or cut them (`response.create`, `conversation.item.truncate`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import uuid
 from dataclasses import dataclass
 
 from codec.pcm import SAMPLE_RATE
+from server.moshi.protocol import ProtocolError
+
+RESPONSE_FIELDS = {"metadata", "output_modalities", "modalities", "instructions", "conversation", "voice"}
 
 
 def new_id(prefix: str) -> str:
@@ -65,3 +69,30 @@ class Response:
             ("modalities" if beta else "output_modalities"): ["audio"],
             "usage": None,
         }
+
+
+def check_response(params: object) -> None:
+    """`response.create`'s `response`, or a `ProtocolError` naming what of it this server cannot do."""
+    if not isinstance(params, dict):
+        raise ProtocolError("response: must be an object", "invalid_response")
+    if unknown := set(params) - RESPONSE_FIELDS:
+        raise ProtocolError(f"response: unknown or unsupported fields {sorted(unknown)}", "invalid_response")
+    for key, ok in (("output_modalities", ["audio"]), ("modalities", ["audio", "text"]), ("conversation", "auto")):
+        if key in params and params[key] not in (ok, None, ["audio"]):
+            raise ProtocolError(f"response.{key}: {params[key]!r} is not supported", "invalid_response")
+    if params.get("instructions") or params.get("voice"):
+        raise ProtocolError("response: instructions and voice are not supported per response", "invalid_response")
+
+
+def truncation_end(item: Item, event: dict) -> int:
+    """Where `conversation.item.truncate` cuts `item`: its `audio_end_ms`, checked."""
+    end = event.get("audio_end_ms")
+    if item.role != "assistant":
+        raise ProtocolError("only assistant items can be truncated", "invalid_value")
+    if event.get("content_index", 0) != 0:
+        raise ProtocolError("content_index must be 0: an item holds one audio part", "invalid_value")
+    if not isinstance(end, int) or isinstance(end, bool) or end < 0:
+        raise ProtocolError(f"audio_end_ms must be a whole number of ms >= 0, got {end!r}", "invalid_value")
+    if end > ms(item.samples):
+        raise ProtocolError(f"audio_end_ms {end} is past the item's audio ({ms(item.samples)} ms)", "invalid_value")
+    return end

@@ -24,20 +24,20 @@ from websockets.exceptions import ConnectionClosed
 
 from codec.pcm import FRAME_SIZE, SAMPLE_RATE
 from s2s import AudioEvent, MetaEvent, Refused
-from server.connection import Connection, Request
-from server.protocol import ProtocolError
+from server.connection import Connection
+from server.engine_session import events
+from server.moshi.protocol import ProtocolError
+from server.protocols import Request
 from server.realtime.config import SessionConfig
-from server.realtime.items import Item, Response, ms, new_id
+from server.realtime.items import Item, Response, check_response, ms, new_id, truncation_end
 from server.realtime.wire import GA_ONLY, RealtimeWire
-from server.session import events
 from server.turn_metrics import TurnMetrics
-from server.vad import VadConfig
+from server.vad.config import Gate, VadConfig
 
 if TYPE_CHECKING:
     from s2s import Engine
 
 MIN_COMMIT_MS = 100  # OpenAI's: a commit of less is an error
-RESPONSE_FIELDS = {"metadata", "output_modalities", "modalities", "instructions", "conversation", "voice"}
 BUSY = "a response is in progress: wait for response.done or send response.cancel"
 
 
@@ -49,12 +49,13 @@ class RealtimeSession:
         cid: str,
         config: SessionConfig,
         base_vad: VadConfig,
+        gate: Gate,
         model: str,
         metrics: TurnMetrics,
     ):
         self.engine, self.conn, self.cid, self.model, self.metrics = engine, conn, cid, model, metrics
         self.wire: RealtimeWire = conn.wire
-        self.base_vad, self.id = base_vad, new_id("sess")
+        self.base_vad, self.gate, self.id = base_vad, gate, new_id("sess")
         self.items: dict[str, Item] = {}  # the conversation, in order
         self.awaiting: collections.deque[Item] = collections.deque()  # committed user items whose turn is unknown
         self.buffer_id, self.buffer_samples, self.received = new_id("item"), 0, 0
@@ -74,6 +75,7 @@ class RealtimeSession:
         engine: Engine,
         conn: Connection,
         base_vad: VadConfig,
+        gate: Gate,
         model: str,
         metrics: TurnMetrics,
         voice: str | None = None,
@@ -81,7 +83,7 @@ class RealtimeSession:
         """Raises `Refused` when the engine cannot admit it. `voice`: a voice prompt's name, from the URL."""
         config = SessionConfig(voice=voice)
         cid = engine.open("turn", prompt=voice, sampling=config.sampling)
-        return cls(engine, conn, cid, config, base_vad, model, metrics)
+        return cls(engine, conn, cid, config, base_vad, gate, model, metrics)
 
     def _apply(self, config: SessionConfig) -> None:
         td = config.turn_detection
@@ -191,15 +193,7 @@ class RealtimeSession:
         await self._event("input_audio_buffer.cleared")
 
     async def _respond(self, params: object) -> None:
-        if not isinstance(params, dict):
-            raise ProtocolError("response: must be an object", "invalid_response")
-        if unknown := set(params) - RESPONSE_FIELDS:
-            raise ProtocolError(f"response: unknown or unsupported fields {sorted(unknown)}", "invalid_response")
-        for key, ok in (("output_modalities", ["audio"]), ("modalities", ["audio", "text"]), ("conversation", "auto")):
-            if key in params and params[key] not in (ok, None, ["audio"]):
-                raise ProtocolError(f"response.{key}: {params[key]!r} is not supported", "invalid_response")
-        if params.get("instructions") or params.get("voice"):
-            raise ProtocolError("response: instructions and voice are not supported per response", "invalid_response")
+        check_response(params)
         if self.response is not None:
             raise ProtocolError(BUSY, "conversation_already_has_active_response")
         await self._commit()
@@ -233,15 +227,8 @@ class RealtimeSession:
         await self._event("output_audio_buffer.cleared", response_id=response_id)
 
     async def _truncate(self, event: dict) -> None:
-        item, end = self._item(event), event.get("audio_end_ms")
-        if item.role != "assistant":
-            raise ProtocolError("only assistant items can be truncated", "invalid_value")
-        if event.get("content_index", 0) != 0:
-            raise ProtocolError("content_index must be 0: an item holds one audio part", "invalid_value")
-        if not isinstance(end, int) or isinstance(end, bool) or end < 0:
-            raise ProtocolError(f"audio_end_ms must be a whole number of ms >= 0, got {end!r}", "invalid_value")
-        if end > ms(item.samples):
-            raise ProtocolError(f"audio_end_ms {end} is past the item's audio ({ms(item.samples)} ms)", "invalid_value")
+        item = self._item(event)
+        end = truncation_end(item, event)
         frames = end * SAMPLE_RATE // 1000 // FRAME_SIZE
         if self.response is not None and self.response.item is item:
             await self._finish_cut(frames, "client_cancelled")

@@ -15,9 +15,9 @@ import math
 
 import numpy as np
 
-from codec.pcm import SAMPLE_RATE
-from server.connection import Audio, Request
-from server.protocol import ProtocolError
+from codec.pcm import SAMPLE_RATE, from_pcm16, to_pcm16
+from server.moshi.protocol import ProtocolError
+from server.protocols import Audio, Request
 
 CLIENT_EVENTS = {
     "session.update",
@@ -45,7 +45,7 @@ GA_ONLY = {"conversation.item.done"}  # events the beta does not have: a beta cl
 
 
 def pcm16_base64(pcm: np.ndarray) -> str:
-    return base64.b64encode((np.clip(pcm, -1, 1) * 32767).astype("<i2").tobytes()).decode()
+    return base64.b64encode(to_pcm16(pcm)).decode()
 
 
 class RealtimeWire:
@@ -86,7 +86,7 @@ class RealtimeWire:
             raise ProtocolError(f"'audio' is not valid base64: {e}", "invalid_audio") from e
         if len(data) % 2:
             raise ProtocolError("'audio' is not pcm16: an odd number of bytes", "invalid_audio")
-        return Audio(np.frombuffer(data, dtype="<i2").astype(np.float32) / 32768.0)
+        return Audio(from_pcm16(data))
 
     def audio(self, pcm: np.ndarray) -> list[str]:
         """`pcm` of the response in `reply`, as one delta."""

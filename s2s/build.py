@@ -1,0 +1,68 @@
+"""An engine built from folders: a model folder (or a seeded preset), a codec folder (or a seeded codec), and a folder
+of voice prompts. What `s2s serve`, `s2s demo` and the benchmarks serve; the shipped weights are the default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from codec import EncodecTokenizer
+from codec.pcm import load_wav
+from s2s.engine.config import EngineConfig
+from s2s.engine.engine import Engine
+from s2s.models.config import ModelConfig
+from s2s.models.model import S2SModel
+from s2s.models.shipped import shipped
+
+AUDIO_SUFFIXES = {".wav", ".flac", ".ogg"}
+
+
+def weight_folders(
+    model: Path | None, codec: Path | None, preset: str | None = None, random: bool = False
+) -> tuple[Path | None, Path | None]:
+    """The codec and model folders to load: given ones, else the shipped ones; None for seeded random weights
+    (`random`, or a `preset` without a model folder: benchmarks and tests keep their presets)."""
+    random = random or (preset is not None and model is None)
+    return codec or (None if random else shipped("codec")), model or (None if random else shipped("model"))
+
+
+def load_prompts(folder: str | Path, tok: EncodecTokenizer) -> dict[str, np.ndarray]:
+    """name -> codes [K, P] for each audio file whose stem is a plain name (letters, digits, underscore)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"prompt folder {folder} does not exist")
+    voices = {}
+    for path in sorted(folder.iterdir()):
+        if path.suffix.lower() not in AUDIO_SUFFIXES:
+            continue
+        if not path.stem.isidentifier():
+            raise ValueError(f"voice prompt {path.name}: names must be plain (letters, digits, underscore)")
+        voices[path.stem] = tok.encode(load_wav(path))[0].cpu().numpy()
+    return voices
+
+
+def build_engine(
+    config: EngineConfig,
+    model: Path | None = None,
+    codec: Path | None = None,
+    preset: str | None = None,
+    bandwidth: float = 1.5,
+    prompts: Path | None = None,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Engine, EncodecTokenizer]:
+    """The engine over `model` (a folder; None: `preset`'s seeded weights, `small` by default) and `codec` (a folder;
+    None: seeded), with the voice prompts of the `prompts` folder registered, and its codec."""
+    device = device or torch.device("cpu")
+    tok = EncodecTokenizer.from_pretrained(codec, bandwidth=bandwidth, device=device)
+    if model:
+        s2s_model = S2SModel.from_pretrained(model, dtype=dtype, device=device)
+    else:
+        shape = ModelConfig.preset(preset or "small", num_codebooks=tok.num_codebooks)
+        s2s_model = S2SModel.from_seed(shape, seed=0, dtype=dtype, device=device)
+    engine = Engine(s2s_model, tok, config)
+    for name, codes in (load_prompts(prompts, tok) if prompts else {}).items():
+        engine.add_voice(name, codes)
+    return engine, tok

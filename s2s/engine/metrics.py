@@ -1,0 +1,139 @@
+"""Engine statistics and the tick cost model that admission control calibrates as the engine runs."""
+
+from __future__ import annotations
+
+import bisect
+import copy
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cache import CacheStats
+from s2s.engine.session import Session
+
+# Upper bounds (seconds) of the tick time histogram's buckets, as /metrics' `s2s_tick_seconds` shows them; a last
+# bucket takes the rest (+Inf). About 1.5x apart from 1 ms to 5 s: p50 and p95 read within a bucket.
+TICK_BUCKETS = (0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2)
+TICK_BUCKETS += (0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
+RECENT_TICKS = 16  # the ticks whose mean time says how busy the engine is now (the turn gate's): ~0.85 s at 4 frames
+
+
+class CostModel:
+    """tick seconds ~ a + r * rounds + b * decode steps + c * prefill steps, least squares over the recent ticks.
+
+    A tick runs up to `frames_per_tick` rounds, each one batched forward and sampling over every due conversation.
+    On a GPU a small model's round costs its kernel launches whatever the batch, so cost follows rounds, not steps;
+    on a CPU it follows steps. Modelling only steps (as this did) read a GPU's per-round cost as a per-step one and
+    refused a second conversation that fitted.
+
+    `pin()` keeps the samples so far (the engine's calibration over several batch sizes) in every later fit: a
+    window of service ticks often holds one batch size, whose rounds and steps move together, and could not tell a
+    round's cost from a step's on its own.
+
+    The engine thread observes; admission predicts from callers' threads: a lock keeps the two apart.
+    """
+
+    def __init__(self, window: int = 400):
+        self.samples: deque[tuple[int, int, int, float]] = deque(maxlen=window)
+        self.pinned: list[tuple[int, int, int, float]] = []
+        self._coef: np.ndarray | None = None
+        self._dirty = False
+        self._lock = threading.Lock()
+
+    def pin(self) -> None:
+        with self._lock:
+            self.pinned += self.samples
+            self.samples.clear()
+
+    def forget_after(self, count: int) -> None:
+        """Drop the samples observed since there were `count` (warm-up ticks: first calls at a new shape)."""
+        with self._lock:
+            while len(self.samples) > count:
+                self.samples.pop()
+            self._dirty = True
+
+    def observe(self, rounds: int, decode_steps: int, prefill_steps: int, seconds: float) -> None:
+        if decode_steps or prefill_steps:
+            with self._lock:
+                self.samples.append((rounds, decode_steps, prefill_steps, seconds))
+                self._dirty = True
+
+    def predict(self, rounds: int, decode_steps: int, prefill_steps: int = 0) -> float | None:
+        """Predicted seconds of a tick, or None before there is data to say."""
+        with self._lock:
+            if self._dirty:
+                self._fit()
+            coef = self._coef
+        if coef is None:
+            return None
+        return float(coef @ np.array([1.0, rounds, decode_steps, prefill_steps]))
+
+    def _fit(self) -> None:
+        self._dirty = False
+        if not self.samples and not self.pinned:
+            return
+        s = np.asarray(self.pinned + list(self.samples), dtype=np.float64)
+        if len(s) < 16 or len(np.unique(s[:, 1])) < 2:
+            # little data, or one batch size so far: assume cost proportional to the steps (cautious)
+            steps = np.maximum(s[:, 1] + 0.05 * s[:, 2], 1)
+            self._coef = np.array([0.0, 0.0, float(np.percentile(s[:, 3] / steps, 90)), 0.0])
+            return
+        x = np.column_stack([np.ones(len(s)), s[:, :3]])
+        coef, *_ = np.linalg.lstsq(x, s[:, 3], rcond=None)
+        self._coef = np.maximum(coef, 0.0)
+
+
+@dataclass
+class EngineStats:
+    ticks: int = 0
+    refused: int = 0
+    out_of_pages: int = 0
+    preempted: int = 0  # conversations that gave their pages up to another's step (their K/V is recomputed)
+    deadline_misses: int = 0
+    busy_seconds: float = 0.0  # all ticks' time: its rate over a window is the engine's real-time factor
+    prefill_steps: int = 0  # steps computed other than as a sampled decode step (what a prefix cache saves)
+    copied_steps: int = 0  # steps whose K/V were copied from a page others hold instead of computed (copy-on-write)
+    kv_checks: int = 0  # page integrity checks, run when no conversation is open (`Engine._check_when_idle`)
+    kv_check_failures: int = 0
+    # ticks by time, in `TICK_BUCKETS` (each bucket's own count, the last one's over them all): its sum is busy_seconds
+    tick_buckets: list[int] = field(default_factory=lambda: [0] * (len(TICK_BUCKETS) + 1))
+    recent_tick_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_TICKS))  # their times
+    # where tick time goes: the codec's encoder and decoder, scheduling, the model (forward and sampling); the
+    # rest of busy_seconds is bookkeeping (replies starting and ending, prefix re-matching)
+    phase_seconds: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(("encode", "schedule", "model", "decode"), 0.0)
+    )
+
+    def clear(self) -> None:
+        """Back to zero, in place (the engine's parts share this object)."""
+        self.__dict__.update(EngineStats().__dict__)
+
+    def copy(self) -> EngineStats:
+        """A copy another thread can read while this one goes on counting."""
+        out = copy.copy(self)
+        out.tick_buckets, out.phase_seconds = list(self.tick_buckets), dict(self.phase_seconds)
+        out.recent_tick_seconds = deque(self.recent_tick_seconds, maxlen=RECENT_TICKS)
+        return out
+
+    def record_tick(self, seconds: float, prefill_steps: int) -> None:
+        self.ticks += 1
+        self.busy_seconds += seconds
+        self.prefill_steps += prefill_steps
+        self.tick_buckets[bisect.bisect_left(TICK_BUCKETS, seconds)] += 1  # (a bucket holds times up to its bound)
+        self.recent_tick_seconds.append(seconds)
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine as the last tick left it: what readers on other threads (/metrics) see."""
+
+    conversations: int
+    cache: CacheStats
+    stats: EngineStats
+    session_rows: list[tuple]  # each session's `Session.STATS` values: a tuple a tick, dicts only for a reader
+
+    @property
+    def sessions(self) -> list[dict]:
+        return [dict(zip(Session.STATS, row, strict=True)) for row in self.session_rows]

@@ -1,0 +1,121 @@
+"""Registry: the callers' side of the engine. Which sessions are open, their codec rows, which closed ones can still
+be resumed, and admission. Any thread: the maps change under one lock that no tick holds (a session's `input_kind`
+is set once, by its first push, before the engine sees any of its input)."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+
+from s2s.engine.commands import not_open
+from s2s.engine.metrics import EngineStats
+from s2s.engine.session import Session
+from s2s.models.config import ModelConfig
+from s2s.runner.sampling import SamplingParams
+from s2s.scheduling.context import ContextBound
+from s2s.scheduling.scheduler import Admission
+
+
+class Refused(RuntimeError):
+    """The engine cannot take this conversation now (full, or it would make admitted ones miss deadlines)."""
+
+
+class Registry:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        admission: Admission,
+        bound: ContextBound,
+        rows: int,
+        ttl_s: float,
+        stats: EngineStats,
+        clock: Callable[[], float],
+        forget: Callable[[str], None],
+    ):
+        self.model_config, self.admission, self.ttl_s, self.stats, self.clock = (
+            model_config,
+            admission,
+            ttl_s,
+            stats,
+            clock,
+        )
+        self.bound = bound
+        self.forget = forget  # told of a closed session that can no longer be resumed
+        self._lock = threading.Lock()
+        self._open: dict[str, Session] = {}
+        self._resumable: dict[str, float] = {}  # closed session -> when
+        self._free_rows = list(range(rows - 1, -1, -1))
+        self._ids = itertools.count()
+
+    def admit(self, mode: str, sampling: SamplingParams, session_id: str | None, resume: bool, admit: bool) -> Session:
+        """A new session with a codec row, or `Refused` with the reason (`admit=False`: no cost check)."""
+        if mode not in ("duplex", "turn"):
+            raise ValueError(f"mode must be duplex or turn, got {mode!r}")
+        with self._lock:
+            self._forget_expired()
+            if resume and session_id not in self._resumable:
+                raise KeyError(f"no closed session {session_id!r} to resume (never opened, or older than the TTL)")
+            if session_id in self._open:
+                raise ValueError(f"session {session_id!r} is already open")
+            if reason := self._problem(admit):
+                self.stats.refused += 1
+                raise Refused(reason)
+            cid = session_id or f"s{next(self._ids)}"
+            s = Session(cid, mode, self.model_config, sampling, self._free_rows[-1], self.clock(), self.bound)
+            self._free_rows.pop()  # taken only once nothing more can fail
+            self._open[cid] = s
+            self._resumable.pop(cid, None)
+            return s
+
+    def problem(self, count: bool) -> str | None:
+        """Why `admit` would refuse a session now, or None. `count`: a refusal made on this answer (a server's,
+        before it accepts a connection) counts in `stats.refused`, as `admit`'s own do."""
+        with self._lock:
+            reason = self._problem(admit=True)
+            if reason and count:
+                self.stats.refused += 1
+            return reason
+
+    def _problem(self, admit: bool) -> str | None:
+        now = self.clock()
+        streams = sum(s.streaming(now) for s in self._open.values())
+        reason = self.admission.problem(len(self._open), streams) if admit else None
+        if reason is None and not self._free_rows:
+            reason = f"the engine holds its maximum of {len(self._open)} conversations (one a codec row)"
+        return reason
+
+    def get(self, cid: str) -> Session:
+        s = self._open.get(cid)
+        if s is None:
+            raise not_open(cid)
+        return s
+
+    def fed(self, cid: str, kind: str) -> Session:
+        """The session, which is fed `kind` (audio or codes, fixed by its first push)."""
+        s = self.get(cid)
+        if s.input_kind is None:
+            s.input_kind = kind
+        if s.input_kind != kind:
+            raise ValueError(f"session {cid!r} is fed {s.input_kind}, not {kind}")
+        return s
+
+    def close(self, cid: str, resumable: bool = True, then: Callable[[Session], None] | None = None) -> Session:
+        """The session leaves; its row is free for the next. `then(session)` runs before the row is free, under the
+        lock (the engine queues its close there: an open on another thread that takes the row queues its own after
+        it, so the engine never opens a session on a row still held)."""
+        with self._lock:
+            s = self.get(cid)
+            del self._open[cid]
+            if resumable:
+                self._resumable[cid] = self.clock()
+            if then is not None:
+                then(s)
+            self._free_rows.append(s.row)
+            return s
+
+    def _forget_expired(self) -> None:
+        now = self.clock()
+        for cid in [c for c, t in self._resumable.items() if now - t > self.ttl_s]:
+            del self._resumable[cid]
+            self.forget(cid)

@@ -1,0 +1,1 @@
+"""Training the shipped echo model (`s2s train echo`)."""

@@ -1,0 +1,1 @@
+"""The `s2s` command, one module per subcommand (`main` dispatches)."""

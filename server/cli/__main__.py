@@ -1,0 +1,3 @@
+from server.cli.main import main
+
+main()

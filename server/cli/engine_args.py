@@ -1,0 +1,48 @@
+"""The engine that `s2s serve`'s options describe, built through `s2s.build`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from codec import EncodecTokenizer
+from codec.pcm import FRAME_S
+from s2s import Engine, EngineConfig, placement
+from s2s.build import build_engine, weight_folders
+from server.cli.options import default_threads
+
+
+def weights_of(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
+    """The codec and model folders `add_engine_args` names (`s2s.build.weight_folders`)."""
+    return weight_folders(args.model, args.codec, args.preset, args.random_weights)
+
+
+def placement_of(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    """`--device` and `--dtype` (`add_engine_args`) resolved for this machine."""
+    try:
+        return placement(args.device, args.dtype)
+    except ValueError as e:
+        raise SystemExit(f"--device/--dtype: {e}") from None
+
+
+def engine_of(args: argparse.Namespace, frontends: int = 0) -> tuple[Engine, EncodecTokenizer]:
+    """The engine `add_engine_args` describes, with the voice prompts of `--prompts`, and its codec; `frontends`: the
+    front-end processes beside it (their cores are not the engine's)."""
+    torch.set_num_threads(args.threads or default_threads(frontends))
+    device, dtype = placement_of(args)
+    codec, model = weights_of(args)
+    config = EngineConfig(
+        cache_mode=args.cache,
+        max_conversations=args.max_conversations,
+        frames_per_tick=args.frames_per_tick,
+        num_pages=args.kv_pages,
+        max_reply_frames=args.max_reply_frames,
+        max_context=round(args.max_context_s / FRAME_S),
+        admission_headroom=args.admission_headroom,
+        jitter_buffer_s=args.jitter_buffer_ms / 1000 if args.jitter_buffer_ms else None,
+        cuda_graphs=not args.enforce_eager,
+        deterministic=args.deterministic,
+    )
+    return build_engine(config, model, codec, args.preset, args.bandwidth, args.prompts, device, dtype)

@@ -1,0 +1,24 @@
+"""`s2s serve`: the websocket server, in one process or beside front-end processes."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import uvloop
+
+from server.app import ChatServer, serve_until_sigterm
+from server.cli.engine_args import engine_of
+from server.cli.options import server_options
+from server.frontends.processes import default_frontends, serve_with_frontends
+
+
+def run(args: argparse.Namespace) -> None:
+    options = server_options(args)
+    frontends = default_frontends() if args.frontends is None else args.frontends
+    if frontends < 0:
+        raise SystemExit(f"--frontends must be 0 or more, got {frontends}")
+    engine = engine_of(args, frontends)[0]
+    if frontends:
+        sys.exit(serve_with_frontends(engine, options, frontends))
+    uvloop.run(serve_until_sigterm(ChatServer(engine, options)))

@@ -1,0 +1,1 @@
+"""Kyutai's Moshi protocol: its framing, the endpoint, and the server's Ogg/Opus out."""

@@ -1,0 +1,1 @@
+"""Turn endpointing: Silero VAD (`Endpointer`) and the server-wide turn gate."""
