@@ -15,6 +15,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from codec.pcm import to_pcm16
 from s2s import Engine, EngineConfig
+from s2s.engine.commands import Interrupt
 from s2s.models.shipped import shipped
 from server.app import ChatServer, ServerOptions
 from server.frontends.processes import Frontends
@@ -314,13 +315,14 @@ def test_vad_ends_the_turn_and_speaking_over_the_reply_interrupts_it(parts) -> N
 
     async def body(url, server):
         engine, heard = server.engine, []
-        interrupt = engine.interrupt
+        submit = engine.submit
 
-        def spy(cid: str, played_frames: int) -> None:
-            heard.append(played_frames)
-            interrupt(cid, played_frames)
+        def spy(command) -> None:  # (every call, in one process or through front ends)
+            if isinstance(command, Interrupt):
+                heard.append(command.played_frames)
+            submit(command)
 
-        engine.interrupt = spy
+        engine.submit = spy
         async with connect(f"{url}/api/chat?mode=turn&codec=pcm16") as ws:
             received = 0
 

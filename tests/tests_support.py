@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from s2s import Engine
+from s2s.engine.commands import PushAudio
 from server.app import ChatServer, ServerOptions
 from server.frontends.processes import Frontends
 
@@ -48,15 +49,17 @@ class ServerThread:
 
 
 def spy_pushes(engine) -> list[int]:
-    """The length of every PCM array the server hands the engine (`engine.push_audio` is called on the server's
-    side: this list is the server's record, not the engine's state)."""
-    pushed, push = [], engine.push_audio
+    """The length of every PCM array the server hands the engine: every call reaches `engine.submit` as a command,
+    in one process (`Engine.push_audio`) and through front ends (`EngineCore`). Called on the server's side: this list
+    is the server's record, not the engine's state."""
+    pushed, submit = [], engine.submit
 
-    def spy(cid: str, pcm) -> None:
-        pushed.append(len(pcm))
-        push(cid, pcm)
+    def spy(command) -> None:
+        if isinstance(command, PushAudio):
+            pushed.append(len(command.pcm))
+        submit(command)
 
-    engine.push_audio = spy
+    engine.submit = spy
     return pushed
 
 
