@@ -25,8 +25,8 @@ import numpy as np
 from bench.common import SENTENCES, environment, parser, percentiles, print_table, save_outputs, scrape, write_json
 from codec.pcm import SAMPLE_RATE, save_wav
 from server.cluster.control import ask
-from server.cluster.manager import free_port
 from server.moshi.client import talk
+from server.ports import free_port
 from server.process import ServerProcess
 from speech.sample import speech, synthesize
 

@@ -12,7 +12,8 @@ wave's end every client leaves and the pages are checked. The clients (asyncio, 
 seeded plans (`bench/soak/plans.py`): duplex or turn mode, a shared voice or none, 2-4 turns of espeak-ng speech
 with a microphone that streams silence between them, barge-ins over a reply, one silence (turn mode: the microphone
 muted, under the server's idle timeout; duplex: streamed silence, or muted with `--duplex-mute`), and a close frame
-or an aborted TCP connection at the end, some while a reply plays.
+or an aborted TCP connection at the end, some while a reply plays. Beside them, `--churn-per-s` connections a
+second open a conversation and close it at once (`bench/soak/churn.py`), as many come and go on a public server.
 
 Every `--sample-s` seconds a row: the server's RSS (VmRSS), K/V pages by state, conversations, tick time (mean and
 p95 over the interval, from the busy and tick counters and /metrics' tick time histogram), deadline misses,
@@ -51,6 +52,7 @@ from bench.common import (
     write_json,
 )
 from bench.concurrency_bench import rss_bytes
+from bench.soak.churn import churn
 from bench.soak.client import Events
 from bench.soak.load import Load, at_baseline, pages, probe, settle
 from bench.soak.plans import QUICK_MIX, Mix
@@ -92,7 +94,9 @@ def progress(row: dict) -> None:
         f"RSS {row['rss_mb']:7.1f} MB  pages free {row['pages_free']} evictable {row['pages_cached_evictable']} "
         f"locked {row['pages_cached_locked']} private {row['pages_private']}  tick {row['tick_ms_mean']:5.1f} ms  "
         f"misses {row['deadline_misses']}  turns {row['turns']} p95 {row['first_audio_ms_p95']:.0f} ms  "
-        f"refused {row['refused']} errors {row['error'] + row['dropped'] + row['failed'] + row['client_bug']}",
+        f"refused {row['refused']} errors {row['error'] + row['dropped'] + row['failed'] + row['client_bug']}  "
+        f"churn {row['churned'] / row['interval_s']:.0f}/s ({row['churn_refused']} refused, "
+        f"{row['churn_failed']} failed)",
         flush=True,
     )
 
@@ -114,7 +118,8 @@ async def soak(url: str, pid: int, args, clips: list[np.ndarray], mix: Mix, on_r
     n_waves = max(1, round(args.minutes / args.wave_minutes))
     waves, before = [], start
     for i in range(n_waves):
-        await load.wave(target, t0 + run_s * (i + 1) / n_waves)
+        end = t0 + run_s * (i + 1) / n_waves
+        await asyncio.gather(load.wave(target, end), churn(url, args.churn_per_s, end, events))
         settle_s, m = await settle(url, usable, 15.0)
         waves.append(
             {
@@ -146,6 +151,7 @@ async def soak(url: str, pid: int, args, clips: list[np.ndarray], mix: Mix, on_r
         "outcomes": load.outcomes,
         "deadline_misses": int(waves[-1]["metrics"]["s2s_deadline_misses_total"] - start["s2s_deadline_misses_total"]),
         "refusals": dict(Counter(str(e.value)[:100] for e in events if e.kind == "refused")),
+        "churn": dict(Counter(e.kind for e in events if e.kind.startswith("churn"))),
     }
 
 
@@ -162,6 +168,9 @@ def main() -> None:
     p.add_argument("--kv-pages", type=int, default=4096, help="the server's K/V pages")
     p.add_argument("--max-conversations", type=int, default=32, help="the server's --max-conversations")
     p.add_argument("--seed", type=int, default=0, help="seed of the clients' plans")
+    p.add_argument(
+        "--churn-per-s", type=float, default=200.0, help="connections a second that open and close (0: none)"
+    )
     p.add_argument(
         "--duplex-mute", action="store_true", help="duplex users go silent with a muted microphone, not silence"
     )
@@ -232,6 +241,7 @@ def main() -> None:
         "clients": result["started_clients"],
         "outcomes": result["outcomes"],
         "refusals": result["refusals"],
+        "churn": result["churn"],
         "usable_pages": result["usable"],
         "server_args": serve_args,
         "server_log_error_lines": errors[:20],
@@ -241,7 +251,8 @@ def main() -> None:
     print(
         f"capacity at the start {result['capacity']}, at the end {result['capacity_end']} "
         f"({result['capacity_end_reason']}); client outcomes {result['outcomes']}; "
-        f"refusals: {result['refusals']}; seconds: { {k: round(v, 1) for k, v in phases.items()} }; "
+        f"refusals: {result['refusals']}; churn: {result['churn']}; "
+        f"seconds: { {k: round(v, 1) for k, v in phases.items()} }; "
         f"server log: {len(errors)} error lines" + "".join(f"\n  {line}" for line in errors[:10])
     )
     rows += [{**params, "kind": "wave", **r} for r in per_wave]

@@ -12,11 +12,13 @@ how many conversations one client may hold at once, by one `PerClient` for the w
 from __future__ import annotations
 
 import asyncio
+import errno
 import hmac
 import itertools
 import json
 import os
 import signal
+import socket
 import ssl
 import urllib.parse
 from collections.abc import Callable
@@ -29,7 +31,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.utils import floatToGoString
-from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.asyncio.server import Server, ServerConnection, serve, unix_serve
 from websockets.datastructures import Headers
 from websockets.http11 import Request, Response
 
@@ -38,6 +40,7 @@ from s2s.engine.metrics import TICK_BUCKETS
 from server.connection import Endpoint, Limits, PerClient, serve_connection
 from server.gc_pause import freeze_startup_heap
 from server.moshi.endpoint import MoshiEndpoint
+from server.ports import PortInUse
 from server.realtime import RealtimeEndpoint
 from server.turn_metrics import TurnMetrics
 from server.vad.config import VadConfig
@@ -71,6 +74,10 @@ class ServerOptions:
     ssl_keyfile: Path | None = None
     replica_id: str | None = None  # told to each client at open (`s2s cluster`'s placement); None: not told
     forwarded_allow_ips: list[str] = field(default_factory=list)  # proxies whose X-Forwarded-For names the client
+    # a bound Unix socket (`proxy_listener`) for the proxy in front (`s2s cluster`'s HAProxy), served beside the port
+    # (by every front end: it travels to them with these options); the one listener whose X-Forwarded-For is believed
+    # without `forwarded_allow_ips` (`PerClient`)
+    proxy_listener: socket.socket | None = None
 
     def __post_init__(self) -> None:
         if self.token == "":  # would otherwise read as "no token": authentication off, silently
@@ -186,6 +193,7 @@ class ChatServer:
         )
         self.draining = False
         self._server: Server | None = None
+        self._proxy_server: Server | None = None  # on `options.proxy_listener`
 
     def drain(self) -> None:
         """Take no new conversation (the health check and every upgrade answer 503); the live ones go on."""
@@ -197,25 +205,38 @@ class ChatServer:
         return await self._listen()
 
     async def _listen(self) -> int:
-        self._server = await serve(
-            self._connect,
-            self.options.host,
-            self.options.port,
+        settings = dict(
             process_request=self._http,
             max_size=self.options.max_message_bytes,
             open_timeout=self.options.handshake_timeout_s,  # a request that stalls half-sent holds a socket
             ping_interval=20,
-            compression=None,  # audio does not deflate (Opus, base64 PCM): it cost the event loop a tenth of its time
+            compression=None,  # audio does not deflate (Opus, base64 PCM): it cost the loop a tenth of its time
             server_header="s2s",  # not websockets' default, which tells Python's version and its own
-            ssl=self.options.tls(),
-            reuse_port=self.reuse_port,
         )
+        try:
+            self._server = await serve(
+                self._connect,
+                self.options.host,
+                self.options.port,
+                ssl=self.options.tls(),
+                reuse_port=self.reuse_port,
+                **settings,
+            )
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise PortInUse(self.options.host, self.options.port) from None
+            raise
+        if self.options.proxy_listener is not None:  # the proxy's way in: the port's settings, without TLS
+            self._proxy_server = await unix_serve(self._connect, sock=self.options.proxy_listener, **settings)
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
+        if self._proxy_server is not None:  # its file goes with it
+            Path(self.options.proxy_listener.getsockname()).unlink(missing_ok=True)
+        for server in (self._server, self._proxy_server):
+            if server is not None:
+                server.close()
+                await server.wait_closed()
         await asyncio.to_thread(self.engine.stop)
 
     def _http(self, connection: ServerConnection, request: Request) -> Response | None:
@@ -285,6 +306,15 @@ def serving_line(options: ServerOptions, port: int) -> str:
     return f"serving ws{s}://{host}:{port}/api/chat  (http{s}://{host}:{port}/ the page, /healthz, /metrics)"
 
 
+def proxy_listener(path: Path) -> socket.socket:
+    """A Unix socket bound at `path` for `ServerOptions.proxy_listener`, its owner's alone (mode 600; it listens
+    only once the server starts, so nobody connects before the mode is set)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    path.chmod(0o600)
+    return listener
+
+
 async def serve_until_sigterm(server: ChatServer, note: Callable[[], str] | None = None) -> None:
     """Start `server`, print `note()` (if any) and the "serving" line `ServerProcess` waits for, serve until
     SIGTERM, then stop it. SIGUSR1 drains it (`ChatServer.drain`: `s2s cluster drain`)."""
@@ -292,9 +322,9 @@ async def serve_until_sigterm(server: ChatServer, note: Callable[[], str] | None
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)  # `ServerProcess` stops it so
     loop.add_signal_handler(signal.SIGUSR1, server.drain)
-    port = await server.start()
-    freeze_startup_heap()  # the process is a server from here: see server/gc_pause.py
     try:
+        port = await server.start()  # (in the `try`: a start that fails stops the engine it started)
+        freeze_startup_heap()  # the process is a server from here: see server/gc_pause.py
         if note is not None:
             print(note())
         print(serving_line(server.options, port), flush=True)

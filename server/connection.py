@@ -16,9 +16,12 @@ before the upgrade: `ChatServer`'s `busy`):
    between messages), where speech over a reply is a barge-in with what the client has heard (`Playback`) and
    silence after speech ends the turn (if the session's gate lets it cost a reply now). A protocol's own requests
    (`Request`: the Realtime API's events) go to the session. Messages and their bytes are paced too, whether or not
-   they parse. A client that sends no audio for `Limits.idle_timeout_s` (counted from open; a reply still playing
-   to it is not idle) is told "idle: ..." and closed with 1008.
-4. However the socket ended, the session closes.
+   they parse: a message costs one of `Limits.max_messages_per_s`, a `Request` its `cost` (what it makes the server
+   do). A client that sends no audio for `Limits.idle_timeout_s` (counted from open; a reply still playing to it is
+   not idle) is told "idle: ..." and closed with 1008.
+4. However the socket ended, the session closes. A client that leaves (`Connection.gone`: its close, or its socket
+   hung up, seen before the messages it sent and the pace held back) ends the loop at the next message or slice:
+   what it had queued is dropped, not worked through.
 
 A session sends from tasks of its own through `Connection`: `send_audio` (which `Playback` counts), `send_event`,
 `send_error`. `server/engine_session.py` has the engine's side (the one bridge from engine events to asyncio).
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 import time
 import urllib.parse
 from collections import Counter
@@ -48,6 +52,8 @@ from server.protocols import Audio, EndTurn, Message, Request, Session, Stream, 
 from server.vad.endpointer import Endpointer
 
 Opener = Callable[["Connection"], Awaitable[Session]]
+HANGUP = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR  # a peer that shut its side or reset
+HANGUP_POLL_S = 0.1  # how often a read the pace holds back looks for a client that left
 
 
 class Endpoint(Protocol):
@@ -116,6 +122,19 @@ class Connection:
         """When the client's audio, or the reply sent to it, last played: a conversation answering is not idle."""
         return max(self.heard_until, self.playback.until)
 
+    def gone(self) -> bool:
+        """Whether the client has left: its close came in, or its socket hung up. The socket shows it at once, even
+        behind messages not read yet (a backlog the pace holds back, in the kernel's buffer or websockets' queue),
+        where the close frame would wait behind them."""
+        if self.ws.state is not State.OPEN:
+            return True
+        sock = self.ws.transport.get_extra_info("socket")
+        if sock is None or sock.fileno() < 0:
+            return True
+        poller = select.poll()
+        poller.register(sock.fileno(), HANGUP)
+        return bool(poller.poll(0))
+
     async def send_audio(self, pcm: np.ndarray, turn: int) -> bool:
         """Reply audio of `turn`; True once any of it went out (an Opus stream holds its first samples back)."""
         pcm = np.clip(pcm, -1, 1)
@@ -147,16 +166,20 @@ class Connection:
 
 class PerClient:
     """Open conversations by client, at most `limit` each (0: no limit): one machine's connections that do nothing
-    cannot take every slot. A client is its IP address: the peer's, or, where the peer is one of `proxies` (a
-    load balancer such as `s2s cluster`'s HAProxy), the address that proxy names last in `X-Forwarded-For`."""
+    cannot take every slot. A client is its IP address: the peer's, or, where the peer is a proxy, the address that
+    proxy names last in `X-Forwarded-For`. A proxy is a peer on a Unix socket (a server listens on one only for the
+    proxy in front of it, `ServerOptions.proxy_listener`: `s2s cluster`'s HAProxy), or one of `proxies` (addresses:
+    any local process has 127.0.0.1, and could name whom it liked)."""
 
     def __init__(self, limit: int, proxies: Iterable[str] = ()):
         self.limit, self.proxies, self.open = limit, frozenset(proxies), Counter()
 
-    def address(self, peer: tuple | None, headers: Headers) -> str:
-        """The client's address, from the socket's peer (None if it went before asyncio asked) and the request."""
-        address = (peer or ("",))[0]
-        if address in self.proxies and (forwarded := headers.get_all("X-Forwarded-For")):
+    def address(self, peer: tuple | str | None, headers: Headers) -> str:
+        """The client's address, from the socket's peer (an IP address and port; a Unix socket's name, usually "";
+        None if it went before asyncio asked) and the request."""
+        unix = isinstance(peer, str)
+        address = "" if unix else (peer or ("",))[0]
+        if (unix or address in self.proxies) and (forwarded := headers.get_all("X-Forwarded-For")):
             return forwarded[-1].rpartition(",")[2].strip()
         return address
 
@@ -202,8 +225,9 @@ class Pace:
             if not self.warned:
                 self.warned = True
                 await conn.send_error(self.warning, "throttled")
-            with contextlib.suppress(TimeoutError):  # a client that goes meanwhile ends its wait
-                await asyncio.wait_for(conn.ws.wait_closed(), ahead)
+            end = time.monotonic() + ahead
+            while not conn.gone() and (left := end - time.monotonic()) > 0:  # a client that goes ends its wait
+                await asyncio.sleep(min(left, HANGUP_POLL_S))
 
 
 async def serve_connection(
@@ -254,13 +278,13 @@ async def _close_when_idle(conn: Connection, timeout_s: float) -> None:
 async def _receive(conn: Connection, session: Session, limits: Limits) -> None:
     audio_pace = Pace(1.0, limits.realtime_burst_s, "sending faster than real time: throttled")
     rate = limits.max_messages_per_s
-    message_pace = Pace(rate, rate, f"sending more than {rate:g} messages a second: throttled")
+    message_warning = f"sending more than {rate:g} messages a second (a costlier event counts as several): throttled"
+    message_pace = Pace(rate, rate, message_warning)
     byte_rate = conn.wire.audio_bytes_per_s + rate * conn.wire.framing_bytes  # the most an honest client sends
     byte_warning = f"sending more than {byte_rate:g} bytes a second: throttled"
     byte_pace = Pace(byte_rate, byte_rate * limits.realtime_burst_s, byte_warning)
-    vad: Endpointer | None = None  # made on the first audio: loading the model costs CPU the engine needs
+    vad: Endpointer | None = None  # made on the first audio to endpoint
     async for message in conn.ws:
-        await message_pace.take(1, conn)
         try:
             item = conn.wire.parse(message)
         except StreamError as e:
@@ -270,6 +294,9 @@ async def _receive(conn: Connection, session: Session, limits: Limits) -> None:
         except ProtocolError as e:
             await conn.send_error(str(e), e.code)
             item = None
+        await message_pace.take(item.cost if isinstance(item, Request) else 1, conn)  # what it makes the server do
+        if conn.gone():  # the client left, maybe while its messages waited: the rest of them go unread
+            return
         if isinstance(item, Audio):  # only audio keeps a connection from being idle
             conn.heard(item.pcm)
         if isinstance(item, EndTurn):
@@ -283,12 +310,14 @@ async def _receive(conn: Connection, session: Session, limits: Limits) -> None:
             for a in range(0, len(item.pcm), BLOCK):
                 pcm = item.pcm[a : a + BLOCK]
                 await audio_pace.take(len(pcm) / SAMPLE_RATE, conn)
-                if a and conn.ws.state is not State.OPEN:  # the client went while its message waited: the rest goes
+                if conn.gone():  # the client went while its message waited: the rest goes
                     return
-                if (vad.cfg if vad else None) is not session.vad:  # the first audio, or new settings
+                if session.vad is None:
                     vad = None
-                    if session.vad is not None:
-                        vad = await asyncio.to_thread(Endpointer, session.vad, session.gate)
+                elif vad is None:  # (a process's first endpointer loads Silero: in a thread, as the scoring runs)
+                    vad = await asyncio.to_thread(Endpointer, session.vad, session.gate)
+                elif vad.cfg is not session.vad:  # new settings: thresholds, for the same stream and state
+                    vad.configure(session.vad)
                 heard = await asyncio.to_thread(vad.push, pcm) if vad is not None else []
                 if "speech_start" in heard:  # a barge-in if a reply is playing (a no-op otherwise), before this audio
                     await session.barge_in(conn.playback.played_frames())

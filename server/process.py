@@ -6,6 +6,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -24,23 +25,31 @@ class ServerProcess:
         subcommand: str = "serve",
         timeout_s: float = 120.0,
         log: Path | None = None,
+        preexec_fn: Callable[[], None] | None = None,
     ):
         self.command = ["-m", module] if module else ["-m", "server.cli", subcommand]
         self.args, self.timeout_s = [str(a) for a in args], timeout_s
         self.lines: deque[str] = deque(maxlen=10_000)  # the last of them: a replica of `s2s cluster` runs for days
         self.log = log  # where every line goes too (`s2s cluster`'s replicas)
+        self.preexec_fn = preexec_fn  # run in the child before exec (`s2s cluster`'s: it dies with the cluster)
         self.proc: subprocess.Popen | None = None
+        self._ready = threading.Event()
+        self._url: list[str] = []
 
     @property
     def output(self) -> str:
         return "".join(self.lines)
 
     def __enter__(self) -> str:
-        cmd = [sys.executable, "-u", *self.command, "--port", "0", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        ready = threading.Event()
-        url: list[str] = []
+        self.start()
+        return self.serving()
 
+    def start(self) -> None:
+        """Start the process, in the calling thread (a `preexec_fn` may tie the child to it), and read its output."""
+        cmd = [sys.executable, "-u", *self.command, "--port", "0", *self.args]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=self.preexec_fn
+        )
         log = open(self.log, "a", buffering=1) if self.log else None  # noqa: SIM115 (closed when the output ends)
 
         def read() -> None:
@@ -48,18 +57,21 @@ class ServerProcess:
                 self.lines.append(line)
                 if log:
                     log.write(line)
-                if line.startswith("serving ") and not url:
-                    url.append(line.split()[1].removesuffix("/api/chat"))
-                    ready.set()
-            ready.set()  # the process ended
+                if line.startswith("serving ") and not self._url:
+                    self._url.append(line.split()[1].removesuffix("/api/chat"))
+                    self._ready.set()
+            self._ready.set()  # the process ended
             if log:
                 log.close()
 
         threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(self.timeout_s) or not url:
+
+    def serving(self) -> str:
+        """Wait for the "serving" line; the server's ws:// URL (`RuntimeError` with its output if it ended first)."""
+        if not self._ready.wait(self.timeout_s) or not self._url:
             self.__exit__()
             raise RuntimeError(f"{' '.join(self.command[1:])} did not start: {self.output}")
-        return url[0]
+        return self._url[0]
 
     def __exit__(self, *exc) -> None:
         if self.proc and self.proc.poll() is None:

@@ -29,6 +29,7 @@ class Request:
     names it)."""
 
     event: dict
+    cost: int = 1  # messages of the connection's pace it takes (`Limits.max_messages_per_s`): what it costs the server
 
 
 @dataclass

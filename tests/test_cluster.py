@@ -24,9 +24,9 @@ from websockets.exceptions import ConnectionClosed
 
 from codec.pcm import load_wav, save_wav, to_pcm16
 from server.cluster.control import ask
-from server.cluster.manager import free_port
 from server.moshi import protocol
 from server.moshi.protocol import Control, Kind, metadata_of
+from server.ports import free_port
 from server.process import ServerProcess
 
 pytestmark = pytest.mark.paced  # servers at real time: alone and last (tests/conftest.py)

@@ -54,6 +54,7 @@ def example(cid: str) -> list[Command]:
         Pause(cid, paused=False),
         Restart(cid),
         Close(cid),
+        Close(cid, keep=True),
     ]
 
 
@@ -122,6 +123,7 @@ def test_each_call_makes_its_command() -> None:
     r.unpause("c")
     r.restart("c")
     r.close("c")
+    r.close("c", keep=True)
     assert [fields(c) for c in r.sent] == [fields(c) for c in example("c")]
 
 

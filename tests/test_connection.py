@@ -141,6 +141,8 @@ def test_the_receive_loop_feeds_the_session_tells_bad_messages_and_closes_it_onc
             await ws.send(protocol.control(Control.END_TURN))
             await ws.send(bytes([Kind.PING]))  # ignored
             await ws.send(protocol.audio(pcm.tobytes()))
+            # (taken before the client leaves: what a client sent and then left before it was read goes unread)
+            await until(lambda: len(endpoint.session.pcm) == 2, 5, lambda: f"not fed: {endpoint.session.calls}")
         # the server sees the close a moment after the client
         await until(lambda: "close" in endpoint.session.calls, 5, lambda: f"no close: {endpoint.session.calls}")
 

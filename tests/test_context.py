@@ -256,7 +256,7 @@ def test_a_conversation_with_a_gap_preempted_or_resumed_recomputes_what_it_kept(
     for _ in range(8):  # a page of its window a tick (each page sees its own window)
         engine.step()
     assert sa.computed >= 100 and sa.dropped == 3 and sa.pages
-    engine.close(a)
+    engine.close(a, keep=True)
     engine.close(b)
     engine.step()
     engine.open("duplex", sampling=GREEDY, session_id=a, resume=True)
@@ -296,7 +296,7 @@ def test_the_first_slide_leaves_no_page_unheld_and_pins_no_cached_chain(model) -
     engine = make(model)
     a = engine.open("duplex", sampling=GREEDY, session_id="a")
     feed(engine, a, 60, rng)
-    engine.close(a)
+    engine.close(a, keep=True)
     engine.step()
     engine.open("duplex", sampling=GREEDY, session_id="a", resume=True)
     feed(engine, a, 12, rng)

@@ -445,7 +445,7 @@ def test_resume_and_regenerate_reuse_the_cache(model, tok) -> None:
     assert np.array_equal(conv.model[t.reply_start : t.reply_end], first)
     assert engine.stats.ticks - before < 40
     # close, then resume by id: the context comes back and the cache serves it
-    engine.close(cid)
+    engine.close(cid, keep=True)
     hits = engine.cache.stats().hit_steps
     engine.open("turn", sampling=GREEDY, session_id="alice", resume=True)
     engine._apply_commands()
@@ -745,7 +745,7 @@ def test_a_session_whose_open_failed_is_told_and_cannot_crash_a_resume(model, to
     engine.step()
     events = drain(engine, late)
     assert events[-1] is None and "no K/V memory" in events[0].data["message"]
-    engine.close(late)
+    engine.close(late, keep=True)
     engine.open("turn", session_id=late, resume=True, admit=False)
     engine.step()
     events = drain(engine, late)

@@ -202,7 +202,7 @@ def test_a_resumed_conversation_keeps_its_commits(engine: Engine) -> None:
     speak(engine, cid, 10, seed=1)
     engine.commit(cid)
     engine.step()
-    engine.close(cid)
+    engine.close(cid, keep=True)
     engine.step()
     engine.open("turn", session_id=cid, resume=True, sampling=GREEDY)
     speak(engine, cid, 6, seed=2)  # the next turn's, not the committed one's

@@ -120,7 +120,7 @@ def multiturn_scripts(d: Driver, w: Workload) -> list[Script]:
             if turn:
                 yield from d.open(session_id=cid, resume=True, sampling=SamplingParams(seed=100 * i + turn))
             yield from d.speak(cid, w.clips[(i + turn) % len(w.clips)], "first turn" if turn == 0 else "later turns")
-            d.engine.close(cid)
+            d.engine.close(cid, keep=True)
 
     return [conv(i, w.prompt(i % w.scale.groups, 0.6)) for i in range(w.scale.per_group)]
 

@@ -18,7 +18,7 @@ from server.scrape import quantile
 
 # client event kinds counted in each row, as columns
 COUNTED = ("opened", "refused", "error", "dropped", "failed", "no_reply", "barge_in", "barge_in_missed", "silent")
-COUNTED += ("client_bug",)
+COUNTED += ("client_bug", "churned", "churn_refused", "churn_failed")
 
 
 def _delta(m: dict[str, float], prev: dict[str, float], key: str) -> float:

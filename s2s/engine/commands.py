@@ -162,7 +162,7 @@ class Restart(Command):
 
 @dataclass(frozen=True)
 class Close(Command):
-    pass
+    keep: bool = False  # its context is kept for a resume (`Resumable`); a server, which never resumes, keeps none
 
 
 class Calls:
@@ -229,7 +229,9 @@ class Calls:
         """Take the conversation back to its voice prompt: the rest of its context goes, turns count from 0."""
         self.submit(Restart(cid))
 
-    def close(self, cid: str) -> None:
+    def close(self, cid: str, keep: bool = False) -> None:
         """End the conversation: its context goes into the prefix cache, its private pages are freed, and its event
-        queue ends with None. It can be resumed within `session_ttl_s`."""
-        self.submit(Close(cid))
+        queue ends with None. `keep`: its context is kept too, so that `open(session_id=cid, resume=True)` can reopen
+        it, within `session_ttl_s` and while it is among the `resumable_conversations` latest kept (and their
+        `resumable_bytes`)."""
+        self.submit(Close(cid, keep))

@@ -36,6 +36,7 @@ from s2s.engine.frames import FrameRows
 from s2s.engine.handlers import CommandHandlers, Open
 from s2s.engine.metrics import CostModel, EngineSnapshot, EngineStats
 from s2s.engine.registry import Refused, Registry
+from s2s.engine.resumable import Resumable
 from s2s.engine.session import Session
 from s2s.engine.turns import Phase
 from s2s.models.model import S2SModel
@@ -114,18 +115,9 @@ class Engine(Calls, CommandHandlers):
         )
         self.sessions: dict[str, Session] = {}  # live, in the order they opened: the engine thread's alone
         self.voices: dict[str, np.ndarray] = {}  # named voice prompts (codes [K, P])
-        self._closed_context: dict[str, dict] = {}  # closed sessions' context, for resume (the engine thread's)
-        self.registry = Registry(
-            mcfg,
-            self.admission,
-            self.bound,
-            cfg.max_conversations,
-            cfg.session_ttl_s,
-            self.stats,
-            clock,
-            self._forget_snapshot,
-        )
-        self._commands: queue.SimpleQueue[tuple[object, Session | None]] = queue.SimpleQueue()  # (message, its session)
+        self.registry = Registry(mcfg, self.admission, self.bound, cfg.max_conversations, self.stats, clock)
+        self.resumable = Resumable(cfg.resumable_conversations, cfg.resumable_bytes, cfg.session_ttl_s, clock)
+        self._commands: queue.SimpleQueue[tuple[object, Session]] = queue.SimpleQueue()  # (message, its session)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by `end_turn` (the engine thread ticks at once) and `stop`
@@ -155,9 +147,9 @@ class Engine(Calls, CommandHandlers):
         """Admit a conversation or raise `Refused` with the reason. `prompt`: voice-prompt codes `[K, P]`, or the
         name of one registered with `add_voice`.
 
-        `resume=True` reopens the closed session `session_id` (within `session_ttl_s`) with its whole context; the
-        prefix cache gives back whatever of it is still cached. `admit=False` skips the cost check (the engine's
-        own calibration only)."""
+        `resume=True` reopens the closed session `session_id`, closed with `keep=True` (`Resumable` says how long
+        that is kept), with its whole context; the prefix cache gives back whatever of it is still cached.
+        `admit=False` skips the cost check (the engine's own calibration only)."""
         if isinstance(prompt, str):
             if prompt not in self.voices:
                 raise KeyError(f"no voice prompt named {prompt!r}; known: {sorted(self.voices)}")
@@ -167,7 +159,9 @@ class Engine(Calls, CommandHandlers):
             self.bound.check_positions(
                 self.bound.sink_pages(prompt.shape[1]), self.model.config.max_position_embeddings
             )
-        s = self.registry.admit(mode, sampling or SamplingParams(), session_id, resume, admit)
+        if resume and session_id not in self.resumable:
+            raise KeyError(f"no closed session {session_id!r} to resume (not kept, or no longer)")
+        s = self.registry.admit(mode, sampling or SamplingParams(), session_id, admit)
         self._commands.put((Open(s.id, prompt, resume), s))
         return s.id
 
@@ -182,7 +176,7 @@ class Engine(Calls, CommandHandlers):
         call's."""
         command = command.checked(self.model.config, self.tok is not None)
         if isinstance(command, Close):
-            self.registry.close(command.cid, then=lambda s: self._commands.put((command, s)))
+            self.registry.close(command.cid, then=lambda s: self._queue_close(command, s))
             return
         s = self.registry.get(command.cid)
         command.check_mode(s.mode)
@@ -193,10 +187,16 @@ class Engine(Calls, CommandHandlers):
         if command.wakes:
             self._wake.set()
 
+    def _queue_close(self, command: Close, s: Session) -> None:
+        if command.keep:  # its place first: an `open(resume=True)` right after this call is admitted
+            self.resumable.put(s.id)
+        self._commands.put((command, s))
+
     def discard(self, cid: str) -> None:
         """Drop a session at once, keeping and caching nothing (calibration's). Only from the thread that calls
         `step()`, with no loop running."""
-        s = self.registry.close(cid, resumable=False)
+        s = self.registry.close(cid)
+        self.scheduler.forget(cid)
         self.sessions.pop(cid, None)
         self.kv.detach(s)
         s.release_frames()
@@ -238,6 +238,7 @@ class Engine(Calls, CommandHandlers):
 
     def _ingest(self) -> None:
         self._apply_commands()
+        self.resumable.expire()
         self._timed("encode", self.audio.encode, self.sessions.values())
         self._turn_mode_sessions = [s for s in self.sessions.values() if s.mode == "turn"]  # (the tick's own loops)
         for s in self._turn_mode_sessions:

@@ -10,6 +10,7 @@ those of many sessions by whole-array operations (`DuplexLane`, `AudioIO`); the 
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import numpy as np
@@ -150,9 +151,21 @@ class Frames:
 
     def __deepcopy__(self, memo: dict) -> Frames:
         """A detached copy."""
-        copy = Frames(self.data.shape[1])
-        copy.head, copy.data, copy.start = self.head.copy(), self.data.copy(), self.start
-        return copy
+        twin = Frames(self.data.shape[1])
+        twin.head, twin.data, twin.start = self.head.copy(), self.data.copy(), self.start
+        return twin
+
+    def until(self, frame: int) -> Frames:
+        """A detached copy of the frames before `frame`, no longer than they are (a copy of a row would be as long
+        as every row): what a closed conversation keeps."""
+        kept = copy.deepcopy(self)
+        kept.truncate(frame)
+        kept.data = kept.data[: frame - kept.start].copy()
+        return kept
+
+    @property
+    def nbytes(self) -> int:
+        return self.head.nbytes + self.data.nbytes
 
     def __len__(self) -> int:
         """One past the last frame held (known or not)."""

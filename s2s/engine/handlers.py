@@ -39,18 +39,11 @@ from s2s.engine.turns import Phase, Turn
 @dataclass(frozen=True, eq=False)
 class Open:
     """The engine's own (`Engine.open`): an admitted conversation goes live, with its voice prompt or, `resume`,
-    its closed context."""
+    the context its close kept."""
 
     cid: str
     prompt: np.ndarray | None
     resume: bool
-
-
-@dataclass(frozen=True)
-class Forget:
-    """The engine's own (from its registry): a closed conversation can no longer be resumed; its context goes."""
-
-    cid: str
 
 
 Handler = Callable[[Any, Session, Any], None]  # (engine, its session, the command)
@@ -89,10 +82,6 @@ class CommandHandlers:
         """An event for the session's caller, on its current turn."""
         s.events.put(MetaEvent(s.id, s.turns[-1].id if s.turns else 0, data))
 
-    def _forget_snapshot(self, cid: str) -> None:
-        """Called from the registry: a closed session can no longer be resumed."""
-        self._commands.put((Forget(cid), None))
-
     def _rewind(self, s: Session, frame: int) -> None:
         s.rewind(frame)
         self.kv.trim(s)
@@ -102,8 +91,9 @@ class CommandHandlers:
 
     @handles(Open)
     def _go_live(self, s: Session, c: Open) -> None:
-        if c.resume and (context := self._closed_context.pop(s.id, None)) is None:
-            return self._fail_open(s, "nothing to resume: its open had failed")
+        context = self.resumable.take(s.id)  # (a new conversation under the id: what an earlier one kept goes)
+        if c.resume and context is None:
+            return self._fail_open(s, "nothing to resume: its open had failed, or what it kept was dropped since")
         if c.resume:
             s.restore(context)
         elif c.prompt is not None:
@@ -122,10 +112,6 @@ class CommandHandlers:
         """The session never goes live: its events end with the reason (its row is free once it is closed)."""
         s.events.put(MetaEvent(s.id, 0, {"event": "error", "message": reason}))
         s.events.put(None)
-
-    @handles(Forget)
-    def _forget(self, s: None, c: Forget) -> None:
-        self._closed_context.pop(c.cid, None)
 
     @handles(PushAudio, PushCodes)
     def _push(self, s: Session, c: Push) -> None:
@@ -159,8 +145,12 @@ class CommandHandlers:
         if self.sessions.pop(s.id, None) is s:
             self.kv.insert(s, lock=False)
             self.kv.detach(s)
-            self._closed_context[s.id] = s.snapshot()
+            if c.keep:
+                context = s.snapshot()
+                self.resumable.put(s.id, context, Session.context_bytes(context))
             s.release_frames()
+        elif c.keep:
+            self.resumable.take(s.id)  # it never went live: nothing to keep
         s.events.put(None)
 
     @handles(Interrupt)

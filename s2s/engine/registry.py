@@ -1,6 +1,6 @@
-"""Registry: the callers' side of the engine. Which sessions are open, their codec rows, which closed ones can still
-be resumed, and admission. Any thread: the maps change under one lock that no tick holds (a session's `input_kind`
-is set once, by its first push, before the engine sees any of its input)."""
+"""Registry: the callers' side of the engine. Which sessions are open, their codec rows, and admission. Any thread:
+the maps change under one lock that no tick holds (a session's `input_kind` is set once, by its first push, before
+the engine sees any of its input). What closed ones keep for a resume is `Resumable`'s."""
 
 from __future__ import annotations
 
@@ -28,34 +28,21 @@ class Registry:
         admission: Admission,
         bound: ContextBound,
         rows: int,
-        ttl_s: float,
         stats: EngineStats,
         clock: Callable[[], float],
-        forget: Callable[[str], None],
     ):
-        self.model_config, self.admission, self.ttl_s, self.stats, self.clock = (
-            model_config,
-            admission,
-            ttl_s,
-            stats,
-            clock,
-        )
+        self.model_config, self.admission, self.stats, self.clock = model_config, admission, stats, clock
         self.bound = bound
-        self.forget = forget  # told of a closed session that can no longer be resumed
         self._lock = threading.Lock()
         self._open: dict[str, Session] = {}
-        self._resumable: dict[str, float] = {}  # closed session -> when
         self._free_rows = list(range(rows - 1, -1, -1))
         self._ids = itertools.count()
 
-    def admit(self, mode: str, sampling: SamplingParams, session_id: str | None, resume: bool, admit: bool) -> Session:
+    def admit(self, mode: str, sampling: SamplingParams, session_id: str | None, admit: bool) -> Session:
         """A new session with a codec row, or `Refused` with the reason (`admit=False`: no cost check)."""
         if mode not in ("duplex", "turn"):
             raise ValueError(f"mode must be duplex or turn, got {mode!r}")
         with self._lock:
-            self._forget_expired()
-            if resume and session_id not in self._resumable:
-                raise KeyError(f"no closed session {session_id!r} to resume (never opened, or older than the TTL)")
             if session_id in self._open:
                 raise ValueError(f"session {session_id!r} is already open")
             if reason := self._problem(admit):
@@ -65,7 +52,6 @@ class Registry:
             s = Session(cid, mode, self.model_config, sampling, self._free_rows[-1], self.clock(), self.bound)
             self._free_rows.pop()  # taken only once nothing more can fail
             self._open[cid] = s
-            self._resumable.pop(cid, None)
             return s
 
     def problem(self, count: bool) -> str | None:
@@ -100,22 +86,14 @@ class Registry:
             raise ValueError(f"session {cid!r} is fed {s.input_kind}, not {kind}")
         return s
 
-    def close(self, cid: str, resumable: bool = True, then: Callable[[Session], None] | None = None) -> Session:
+    def close(self, cid: str, then: Callable[[Session], None] | None = None) -> Session:
         """The session leaves; its row is free for the next. `then(session)` runs before the row is free, under the
         lock (the engine queues its close there: an open on another thread that takes the row queues its own after
         it, so the engine never opens a session on a row still held)."""
         with self._lock:
             s = self.get(cid)
             del self._open[cid]
-            if resumable:
-                self._resumable[cid] = self.clock()
             if then is not None:
                 then(s)
             self._free_rows.append(s.row)
             return s
-
-    def _forget_expired(self) -> None:
-        now = self.clock()
-        for cid in [c for c, t in self._resumable.items() if now - t > self.ttl_s]:
-            del self._resumable[cid]
-            self.forget(cid)

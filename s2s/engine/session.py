@@ -162,12 +162,9 @@ class Session(StepTokens, TurnLifecycle):
 
     def snapshot(self) -> dict:
         """What a resumed conversation needs: both streams (what is kept of them), the turns, its sink and gap."""
-        user, model = copy.deepcopy(self.user), copy.deepcopy(self.model)
-        user.truncate(self.user_frames)
-        model.truncate(self.user_frames)
         return {
-            "user": user,
-            "model": model,
+            "user": self.user.until(self.user_frames),
+            "model": self.model.until(self.user_frames),
             "frames": self.user_frames,
             "turns": [Turn(t.id, t.first_frame, t.reply_start, t.reply_end, t.committed) for t in self.turns],
             "held": list(self.held),
@@ -176,6 +173,12 @@ class Session(StepTokens, TurnLifecycle):
             "dropped": self.dropped,
             "emitted": min(self.emitted, self.user_frames),
         }
+
+    @staticmethod
+    def context_bytes(snap: dict) -> int:
+        """The bytes of a `snapshot()`'s arrays: its streams' and the input held for after a reply."""
+        held = sum(codes.nbytes for codes in snap["held"] if codes is not None)
+        return snap["user"].nbytes + snap["model"].nbytes + held
 
     def restore(self, snap: dict) -> None:
         """The context of `snapshot()`. One that had dropped pages recomputes its sink and then its window, each

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from server.cli.options import add_serve_args
+from server.cluster import leftovers
 from server.cluster.control import ask, serve_control
 from server.cluster.manager import Cluster, ClusterConfig
 
@@ -75,7 +76,7 @@ def run(argv: list[str]) -> None:
     args, serve_args = p.parse_known_args(argv)
     serve = argparse.ArgumentParser(prog="s2s cluster (serve options)")
     add_serve_args(serve)
-    taken = ("--port", "--host", "--replica-id", "--forwarded-allow-ips")
+    taken = ("--port", "--host", "--replica-id", "--forwarded-allow-ips", "--proxy-socket")
     if any(a.split("=")[0] in taken for a in serve_args):
         p.error(f"{', '.join(taken)} are the cluster's to set for its replicas")
     if any(a.split("=")[0] in ("--ssl-certfile", "--ssl-keyfile") for a in serve_args):
@@ -105,14 +106,8 @@ def run(argv: list[str]) -> None:
 
 async def _run(cfg) -> None:
     own_folder(cfg.run_dir)
+    leftovers.clear_run_dir(cfg.run_dir)
     control = cfg.run_dir / "control.sock"
-    if control.exists():
-        try:
-            reader, writer = await asyncio.open_unix_connection(control)
-            writer.close()
-            raise RuntimeError(f"a cluster is already running with its run folder at {cfg.run_dir}")
-        except (ConnectionRefusedError, FileNotFoundError):
-            control.unlink()  # left by one that was killed
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)

@@ -7,7 +7,7 @@ import argparse
 import os
 from pathlib import Path
 
-from server.app import ServerOptions
+from server.app import ServerOptions, proxy_listener
 from server.connection import Limits
 from server.vad.endpointer import VadConfig
 
@@ -89,7 +89,15 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--forwarded-allow-ips",
         action="append",
-        help="a proxy's address whose X-Forwarded-For names the client, for the per-client limit (repeatable)",
+        help="a proxy's address whose X-Forwarded-For names the client, for the per-client limit (repeatable; any "
+        "local process has 127.0.0.1)",
+    )
+    p.add_argument(
+        "--proxy-socket",
+        type=Path,
+        default=None,
+        help="also listen on a Unix socket made here (mode 600), for a proxy in front whose X-Forwarded-For names "
+        "the client (`s2s cluster`'s HAProxy, from its private run folder)",
     )
     p.add_argument("--vad-silence", type=float, default=0.5, help="turn mode: seconds of silence that end a turn")
     p.add_argument(
@@ -186,6 +194,7 @@ def server_options(args: argparse.Namespace) -> ServerOptions:
             ssl_keyfile=args.ssl_keyfile,
             forwarded_allow_ips=args.forwarded_allow_ips or [],
             replica_id=args.replica_id,
+            proxy_listener=proxy_listener(args.proxy_socket) if args.proxy_socket else None,
         )
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         raise SystemExit(f"bad server options: {e}") from None

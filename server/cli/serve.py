@@ -11,6 +11,7 @@ from server.app import ChatServer, serve_until_sigterm
 from server.cli.engine_args import engine_of
 from server.cli.options import server_options
 from server.frontends.processes import default_frontends, serve_with_frontends
+from server.ports import PortInUse, check_free
 
 
 def run(args: argparse.Namespace) -> None:
@@ -18,7 +19,11 @@ def run(args: argparse.Namespace) -> None:
     frontends = default_frontends() if args.frontends is None else args.frontends
     if frontends < 0:
         raise SystemExit(f"--frontends must be 0 or more, got {frontends}")
-    engine = engine_of(args, frontends)[0]
-    if frontends:
-        sys.exit(serve_with_frontends(engine, options, frontends))
-    uvloop.run(serve_until_sigterm(ChatServer(engine, options)))
+    try:
+        check_free(options.host, options.port)  # before the model loads: a taken port is told at once
+        engine = engine_of(args, frontends)[0]
+        if frontends:
+            sys.exit(serve_with_frontends(engine, options, frontends))
+        uvloop.run(serve_until_sigterm(ChatServer(engine, options)))
+    except PortInUse as e:
+        raise SystemExit(f"s2s serve: {e}") from None

@@ -1,5 +1,8 @@
 """HAProxy for `s2s cluster`: its configuration (the template `haproxy.cfg` beside this file), the process, and its
-runtime API (the admin socket), through which replicas join, drain and leave without a reload."""
+runtime API (the admin socket), through which replicas join, drain and leave without a reload.
+
+HAProxy reaches each replica slot by a Unix socket in the cluster's run folder (`slot_socket`), the one listener
+where a replica believes X-Forwarded-For: no other user can reach it, where any local process can reach a port."""
 
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from server.cluster.parent_death import die_with_parent
+
 TEMPLATE = Path(__file__).with_name("haproxy.cfg")
 BACKENDS = ("by_voice", "by_load")  # every replica slot is a server in both
 BALANCES = ("voice", "roundrobin")
@@ -19,10 +24,15 @@ BALANCES = ("voice", "roundrobin")
 
 @dataclass
 class Slot:
-    """A server line in both backends: a replica's port, or None for a free slot (disabled until `add`)."""
+    """A server line in both backends: a replica's Unix socket (`slot_socket`), disabled while the slot is free."""
 
     name: str
-    port: int | None
+    serving: bool
+
+
+def slot_socket(run_dir: Path, name: str) -> Path:
+    """Where HAProxy reaches slot `name`'s replica (its `--proxy-socket`)."""
+    return run_dir / f"{name}.sock"
 
 
 def haproxy_binary() -> str:
@@ -42,8 +52,8 @@ def render(
     by_voice = ["balance url_param voice", "hash-type consistent", f"hash-balance-factor {balance_factor}"]
 
     def line(slot: Slot, options: str) -> str:
-        where = f"127.0.0.1:{slot.port or 1}"
-        return f"    server {slot.name} {where} {options}{'' if slot.port else ' disabled'}"
+        where = f"unix@{slot_socket(run_dir, slot.name)}"
+        return f"    server {slot.name} {where} {options}{'' if slot.serving else ' disabled'}"
 
     return string.Template(TEMPLATE.read_text()).substitute(
         run_dir=run_dir,
@@ -60,12 +70,13 @@ def render(
 
 
 def start(config: Path) -> subprocess.Popen:
-    """HAProxy in the foreground, as a child; its config is checked first (`ValueError` with HAProxy's words)."""
+    """HAProxy in the foreground (`-db`: one process, which never forks away), as a child that dies with this
+    process; its config is checked first (`ValueError` with HAProxy's words)."""
     binary = haproxy_binary()
     check = subprocess.run([binary, "-c", "-q", "-f", str(config)], capture_output=True, text=True)
     if check.returncode:
         raise ValueError(f"bad HAProxy config {config}: {check.stdout}{check.stderr}")
-    return subprocess.Popen([binary, "-db", "-f", str(config)])
+    return subprocess.Popen([binary, "-db", "-f", str(config)], preexec_fn=die_with_parent())
 
 
 class RuntimeApi:
@@ -86,12 +97,12 @@ class RuntimeApi:
 
     def on_every_backend(self, *actions: str, server: str) -> None:
         """`set server BACKEND/SERVER ACTION` in each backend, in order; `RuntimeError` with HAProxy's words if one
-        fails (a state change answers nothing, an address change what it changed)."""
+        fails (a state change answers nothing)."""
         for action in actions:
             for backend in BACKENDS:
                 line = f"set server {backend}/{server} {action}"
                 answer = self.command(line).strip()
-                if answer and not answer.startswith(("IP changed", "no need to change")):
+                if answer:
                     raise RuntimeError(f"HAProxy: {line!r}: {answer}")
 
     def servers(self) -> dict[str, dict]:

@@ -1,11 +1,14 @@
-"""Cluster: N `s2s serve` replicas on local ports behind one HAProxy, owned by one process (`s2s cluster`), which
-adds replicas, drains them and reports on them when `s2s cluster add|drain|status` asks (`server/cluster/control.py`).
+"""Cluster: N `s2s serve` replicas behind one HAProxy, owned by one process (`s2s cluster`), which adds replicas,
+drains them and reports on them when `s2s cluster add|drain|status` asks (`server/cluster/control.py`). Its children
+die with it (`server/cluster/parent_death.py`).
 
-A replica is a slot of HAProxy's configuration (`r1` ... `rM`, in both backends). Free slots are `disabled` servers:
-`add` starts a replica, points a free slot at its port and sets it ready; `drain` sets the slot to drain (HAProxy
-sends it nothing new, its live connections go on), tells the replica (SIGUSR1: its health check and upgrades answer
-503 from then), waits for its conversations to end (its /metrics), stops it and puts the slot back in maintenance.
-No reload: HAProxy keeps every connection throughout."""
+A replica is a slot of HAProxy's configuration (`r1` ... `rM`, in both backends), which HAProxy reaches by the slot's
+Unix socket in the run folder (`haproxy.slot_socket`: the replica's `--proxy-socket`, where alone it believes
+X-Forwarded-For); its port, on loopback, serves its /metrics and whoever connects straight to it, each counted by
+its own address. Free slots are `disabled` servers: `add` starts a replica on a free slot's socket and sets it
+ready; `drain` sets the slot to drain (HAProxy sends it nothing new, its live connections go on), tells the replica
+(SIGUSR1: its health check and upgrades answer 503 from then), waits for its conversations to end (its /metrics),
+stops it and puts the slot back in maintenance. No reload: HAProxy keeps every connection throughout."""
 
 from __future__ import annotations
 
@@ -13,7 +16,6 @@ import asyncio
 import contextlib
 import math
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Awaitable, Callable
@@ -22,6 +24,8 @@ from pathlib import Path
 
 from server.cluster import haproxy
 from server.cluster.haproxy import RuntimeApi, Slot
+from server.cluster.parent_death import die_with_parent
+from server.ports import check_free, free_port
 from server.process import ServerProcess
 from server.scrape import scrape
 
@@ -74,17 +78,19 @@ class Cluster:
         """Start the replicas (together: each loads its model), then HAProxy; return once every replica is UP.
         On failure, what started is left for `stop`."""
         haproxy.haproxy_binary()  # fail before loading any model
+        check_free(self.cfg.host, self.cfg.port)
+        if self.cfg.stats_port:
+            check_free("127.0.0.1", self.cfg.stats_port)
         first = [self.replicas[f"r{i}"] for i in range(1, self.cfg.replicas + 1)]
         started = await asyncio.gather(*(self._start_replica(r) for r in first), return_exceptions=True)
         if failed := next((e for e in started if isinstance(e, BaseException)), None):
             raise failed
         if not self.cfg.stats_port:
             self.cfg.stats_port = free_port()
-        slots = [Slot(r.name, r.port) for r in self.replicas.values()]
+        slots = [Slot(r.name, r.process is not None) for r in self.replicas.values()]
         c = self.cfg
         path = c.run_dir / "haproxy.cfg"
         path.write_text(haproxy.render(c.run_dir, c.host, c.port, c.stats_port, c.balance, c.balance_factor, slots))
-        self.api.path.unlink(missing_ok=True)  # left by a cluster that was killed
         self.haproxy = haproxy.start(path)
         await self._wait_for_haproxy()
         for r in first:
@@ -111,7 +117,7 @@ class Cluster:
             await tell(f"starting {r.name}")
             try:
                 await self._start_replica(r)
-                self.api.on_every_backend(f"addr 127.0.0.1 port {r.port}", "state ready", server=r.name)
+                self.api.on_every_backend("state ready", server=r.name)
                 await self._wait_for(r.name, "UP")
             except BaseException:
                 await self._free(r)
@@ -158,9 +164,15 @@ class Cluster:
         return {"port": self.cfg.port, "stats_port": self.cfg.stats_port, "replicas": rows}
 
     async def _start_replica(self, r: Replica) -> None:
-        args = ["--replica-id", r.name, "--forwarded-allow-ips", "127.0.0.1", *self.cfg.serve_args]
-        r.process, r.draining = ServerProcess(*args, log=self.cfg.run_dir / f"{r.name}.log"), False
-        url = await asyncio.to_thread(r.process.__enter__)  # `stop` can see it (and stop it) meanwhile
+        """Start `r`'s replica on its slot's socket; return once it serves. Forked here, on the event loop's thread
+        (the main one): a replica dies with the thread that forked it."""
+        where = haproxy.slot_socket(self.cfg.run_dir, r.name)
+        where.unlink(missing_ok=True)  # the slot's last replica's, which exited
+        args = ["--replica-id", r.name, "--proxy-socket", str(where), *self.cfg.serve_args]
+        log = self.cfg.run_dir / f"{r.name}.log"
+        r.process, r.draining = ServerProcess(*args, log=log, preexec_fn=die_with_parent()), False
+        r.process.start()  # `stop` can see it (and stop it) while it loads
+        url = await asyncio.to_thread(r.process.serving)
         r.port = int(url.rsplit(":", 1)[1])
 
     async def _free(self, r: Replica) -> None:
@@ -224,10 +236,3 @@ def replica_metrics(url: str) -> dict:
         "cache_hit_rate": round(hit / (hit + missed), 3) if hit + missed else None,
         "draining": bool(m["s2s_draining"]),
     }
-
-
-def free_port() -> int:
-    """A TCP port nobody listens on now, on loopback."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -5,20 +5,21 @@ server and SGLang's tokenizer manager do beside their schedulers.
 
 The processes are one server: SIGTERM (or Ctrl-C) stops them all, SIGUSR1 drains every front end, and if one dies the
 rest are stopped and the command exits with an error, for whatever supervises it to restart the whole (a front end's
-conversations cannot move to another). Each front end's /metrics reads the same engine snapshot and the same
-per-turn figures (prometheus-client's multiprocess mode, files in a private folder).
+conversations cannot move to another); a front end whose parent is killed stops itself. A start that fails, at any
+step, leaves no process, folder or socket behind. Each front end's /metrics reads the same engine snapshot and the
+same per-turn figures (prometheus-client's multiprocess mode, files in a private folder).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import os
 import queue
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -32,6 +33,7 @@ from server.app import ChatServer, ServerOptions, serving_line
 from server.connection import PerClient
 from server.frontends.engine_client import CoreClients, EngineClient
 from server.gc_pause import freeze_startup_heap
+from server.ports import reserve
 
 if TYPE_CHECKING:
     from s2s import Engine
@@ -56,17 +58,19 @@ class Frontends:
         if count < 1:
             raise ValueError(f"front ends: at least 1, got {count}")
         self.engine, self.count = engine, count
-        self.folder = tempfile.mkdtemp(prefix="s2s-")
-        metrics = os.path.join(self.folder, "metrics")
-        os.mkdir(metrics)
-        address = f"ipc://{self.folder}/engine"
-        self.clients = PerClient(options.limits.max_conversations_per_client, options.forwarded_allow_ips)
-        self.core = EngineCore(engine, address, self.clients)
-        self._held = _reserve_port(options.host, options.port)  # one port for them all, even when asked for 0
-        self.options = replace(options, port=self._held.getsockname()[1])
+        with contextlib.ExitStack() as undo:  # what is made here is unmade if a later step fails
+            self._held = undo.enter_context(reserve(options.host, options.port))  # first: nothing made yet
+            self.options = replace(options, port=self._held.getsockname()[1])  # one port for all, even asked for 0
+            self.folder = tempfile.mkdtemp(prefix="s2s-")
+            undo.callback(shutil.rmtree, self.folder, ignore_errors=True)
+            self._metrics = os.path.join(self.folder, "metrics")
+            os.mkdir(self._metrics)
+            address = f"ipc://{self.folder}/engine"
+            self.clients = PerClient(options.limits.max_conversations_per_client, options.forwarded_allow_ips)
+            self.core = EngineCore(engine, address, self.clients)
+            self._undo = undo.pop_all()  # now `stop`'s
         spawn = multiprocessing.get_context("spawn")
         self._ready: multiprocessing.Queue = spawn.Queue()
-        self._metrics = metrics
         self.children = [
             spawn.Process(
                 target=run_frontend,
@@ -80,7 +84,18 @@ class Frontends:
         self._core = threading.Thread(target=self.core.run, args=(self._stop.is_set,), name="s2s-core", daemon=True)
 
     def start(self, timeout_s: float = 120.0) -> int:
-        """Start the engine, the core and the front ends; returns the port once every front end listens on it."""
+        """Start the engine, the core and the front ends; returns the port once every front end listens on it. A
+        start that fails stops what it started (`stop`) before it raises."""
+        try:
+            self._launch()
+            self._wait_listening(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self._held.close()
+        return self.options.port
+
+    def _launch(self) -> None:
         self.engine.start()
         self._core.start()
         before = os.environ.get(MULTIPROC)
@@ -93,6 +108,8 @@ class Frontends:
                 del os.environ[MULTIPROC]
             else:
                 os.environ[MULTIPROC] = before
+
+    def _wait_listening(self, timeout_s: float) -> None:
         deadline, listening = time.monotonic() + timeout_s, set()
         while len(listening) < self.count:
             if (dead := self.dead()) is not None:
@@ -103,8 +120,6 @@ class Frontends:
                 listening.add(self._ready.get(timeout=0.2))
             except queue.Empty:
                 pass
-        self._held.close()
-        return self.options.port
 
     def dead(self) -> str | None:
         """What has ended that should not have: a front end (by name), or the engine core's thread."""
@@ -127,19 +142,21 @@ class Frontends:
                 child.join(20)
                 if child.exitcode is None:
                     child.kill()
+                    child.join()
         self._stop.set()
         if self._core.is_alive():
             self._core.join()
         self.engine.stop()
-        self._held.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
+        self._undo.close()  # the port's socket, the folder
 
 
 def serve_with_frontends(engine: Engine, options: ServerOptions, count: int) -> int:
-    """`s2s serve --frontends COUNT`: serve until SIGTERM or Ctrl-C; returns the exit status (1: a front end died)."""
-    group, stop = Frontends(engine, options, count), threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    """`s2s serve --frontends COUNT`: serve until SIGTERM or Ctrl-C; returns the exit status (1: a front end died).
+    `PortInUse` if something else listens on the port."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())  # (first: a stop asked for while it starts is no kill)
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    group = Frontends(engine, options, count)
     signal.signal(signal.SIGUSR1, lambda *_: group.drain())
     try:
         port = group.start()
@@ -170,6 +187,7 @@ async def _frontend(address: str, options: ServerOptions, index: int, ready: mul
     server = ChatServer(engine, options, clients=clients, reuse_port=True)
     stop, loop = asyncio.Event(), asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_reader(multiprocessing.parent_process().sentinel, stop.set)  # the parent killed: no SIGTERM comes
     loop.add_signal_handler(signal.SIGUSR1, server.drain)
     await server.start()
     freeze_startup_heap()
@@ -178,13 +196,3 @@ async def _frontend(address: str, options: ServerOptions, index: int, ready: mul
         await stop.wait()
     finally:
         await server.stop()
-
-
-def _reserve_port(host: str, port: int) -> socket.socket:
-    """A socket bound to (`host`, `port`) with SO_REUSEPORT, not listening: it holds the port (port 0: a free one)
-    until the front ends listen on it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    held = socket.socket(family, socket.SOCK_STREAM)
-    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    held.bind((host, port))
-    return held

@@ -10,12 +10,14 @@ Known differences from OpenAI's server, each told to the client where it applies
 no instructions, no tools); a response needs new user audio (or a voice prompt, before the first), else it fails
 with `no_input`; audio appended while a response plays is heard after it (the engine holds it: the model's turn has a
 silent user), and an end of turn meanwhile is answered when that response is over; items cannot be deleted or
-truncated while a response plays; `conversation.item.create` and `.retrieve` are not supported."""
+truncated while a response plays; the voice changes at most once a second (each change is a new conversation in the
+engine); `conversation.item.create` and `.retrieve` are not supported."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from s2s import Engine
 
 MIN_COMMIT_MS = 100  # OpenAI's: a commit of less is an error
+VOICE_INTERVAL_S = 1.0  # a new voice opens a new conversation in the engine: at most one a second
 BUSY = "a response is in progress: wait for response.done or send response.cancel"
 
 
@@ -63,6 +66,7 @@ class RealtimeSession:
         self.unanswered = config.voice is not None  # what a response would answer: committed audio, or a prompt
         self.respond_after = False  # a VAD end of turn came while a response played: answer it once that is over
         self.finished_turn = -1  # the last engine turn a finished response had: audio of it or before is stale
+        self.reopened = -math.inf  # when the last new voice opened a new conversation (time.monotonic())
         self.config: SessionConfig | None = None
         self.vad: VadConfig | None = None
         self._apply(config)
@@ -88,7 +92,7 @@ class RealtimeSession:
     def _apply(self, config: SessionConfig) -> None:
         td = config.turn_detection
         vad = td.vad(self.base_vad) if td else None
-        if vad != self.vad:  # new endpointing settings: the core makes a new endpointer (it keeps its state else)
+        if vad != self.vad:  # new endpointing settings: the core's endpointer takes them (`Endpointer.configure`)
             self.vad = vad
         self.config = config
         self.info = config.view(self.wire.beta, self.id, self.model)
@@ -158,13 +162,15 @@ class RealtimeSession:
         """A new voice: a new conversation in the engine, while there is nothing in the old one to lose."""
         if self.received or self.items or self.response:
             raise ProtocolError("the voice cannot change once the conversation has audio", "invalid_session")
+        if (wait := self.reopened + VOICE_INTERVAL_S - time.monotonic()) > 0:
+            raise ProtocolError(f"the voice changes at most once a second: try again in {wait:.1f} s", "rate_limited")
         try:
             cid = self.engine.open("turn", prompt=config.voice, sampling=config.sampling)
         except Refused as e:
             raise ProtocolError(f"refused: {e}", "refused") from e
         self.engine.close(self.cid)
         await asyncio.wait_for(self._sender, 5)
-        self.cid, self.unanswered = cid, config.voice is not None
+        self.cid, self.unanswered, self.reopened = cid, config.voice is not None, time.monotonic()
         self._sender = asyncio.create_task(self._send())
 
     async def _commit(self, explicit: bool = False) -> bool:

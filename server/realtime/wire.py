@@ -1,9 +1,9 @@
 """The Realtime API's framing on the connection core: JSON events in text frames, audio as base64 pcm16 at 24 kHz.
 
 `parse` turns `input_audio_buffer.append` into `Audio` (paced and endpointed by the core like any audio) and every
-other client event this server knows into a `Request` for the session; the rest is an error event naming it. Out,
-every event gets an `event_id`, reply audio is a `response.output_audio.delta` of the response in `reply`, and a beta
-client (`OpenAI-Beta: realtime=v1`) gets the beta names."""
+other client event this server knows into a `Request` for the session, at its cost (`COSTS`); the rest is an error
+event naming it. Out, every event gets an `event_id`, reply audio is a `response.output_audio.delta` of the response
+in `reply`, and a beta client (`OpenAI-Beta: realtime=v1`) gets the beta names."""
 
 from __future__ import annotations
 
@@ -31,6 +31,17 @@ CLIENT_EVENTS = {
     "response.create",
     "response.cancel",
     "output_audio_buffer.clear",
+}
+# What an event costs of the connection's message pace (`Request.cost`; the others cost 1, an append's audio and
+# bytes being paced besides): about what it makes the server do. A truncation or a deletion makes the engine compute
+# the conversation after the edit again, a response makes it reply: ten of these a second at the default 100 messages
+# (an honest client sends one a turn). A session.update is checked and answered on the event loop in about what an
+# append takes there (its VAD settings are thresholds: `Endpointer.configure`); a new voice, which opens a new
+# conversation in the engine, is rate-limited by the session (`VOICE_INTERVAL_S`).
+COSTS = {
+    "conversation.item.truncate": 10,
+    "conversation.item.delete": 10,
+    "response.create": 10,
 }
 # GA names the beta spells otherwise (the rest are the same in both).
 BETA_NAMES = {
@@ -76,7 +87,7 @@ class RealtimeWire:
         if kind not in CLIENT_EVENTS:
             raise ProtocolError(f"unknown event type {kind!r}", "unknown_event")
         if kind != "input_audio_buffer.append":
-            return Request(event)
+            return Request(event, COSTS.get(kind, 1))
         audio = event.get("audio")
         if not isinstance(audio, str):
             raise ProtocolError("input_audio_buffer.append needs 'audio': base64 pcm16", "invalid_audio")

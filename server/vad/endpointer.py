@@ -1,7 +1,9 @@
 """Endpointing with Silero VAD: when the user starts speaking, and when a turn worth a reply is over.
 
-The user's 24 kHz audio is resampled to 16 kHz (soxr) and scored in 512-sample windows (32 ms). Speech starts when a
-window's probability reaches `start_threshold`; it stops after `silence_s` of windows under `stop_threshold`.
+The user's 24 kHz audio is resampled to 16 kHz (soxr, as one stream) and scored in 512-sample windows (32 ms) on the
+process's one Silero network (`server/vad/silero.py`), with this endpointer's own state. Speech starts when a
+window's probability reaches `start_threshold`; it stops after `silence_s` of windows under `stop_threshold`. New
+settings (`configure`) are thresholds and times: they apply from the next window, to the stretch under way too.
 
 Flood control (docs/DESIGN.md, "Flood control"): every turn costs a prefill and a reply, so a stretch of sound is a
 turn only if it has `min_speech_s` of confident speech and a `confidence` of at least `min_confidence`; a shorter or
@@ -18,13 +20,11 @@ import math
 
 import numpy as np
 import soxr
-import torch
 
 from codec.pcm import SAMPLE_RATE
 from server.vad.config import Gate, TurnScore, VadConfig
+from server.vad.silero import RATE, WINDOW, SileroStream
 
-WINDOW = 512
-RATE = 16000
 WINDOW_S = WINDOW / RATE
 RESUME_WINDOWS = 3  # speech that resumes a turn is the same talker if its first windows with speech ...
 RESUME_DB = 10.0  # ... are no more than this under the turn's level
@@ -56,18 +56,18 @@ class _Tally:
 
 
 class Endpointer:
-    """One per connection (the model keeps state). `push(pcm24k)` returns the events it saw, in order:
+    """One per connection (it keeps its stream's state). `push(pcm24k)` returns the events it saw, in order:
     "speech_start" (a barge-in), "take_back" (speech resumed right after an end of turn: that reply is to be
     cancelled unheard), "end_of_turn" (a turn worth a reply now) and "speech_end" (a stretch that is no turn, or
     one the gate dropped). `turn` scores the last stretch that ended."""
 
     def __init__(self, config: VadConfig | None = None, gate: Gate | None = None):
-        """`gate`: the server's `TurnGate`, which each turn end passes (None: every turn end is sent)."""
-        from silero_vad import load_silero_vad  # on the first endpointer, not at import; it ships its model
-
-        self.cfg, self.gate = config or VadConfig(), gate
-        self.cfg.check()
-        self.model = load_silero_vad()
+        """`gate`: the server's `TurnGate`, which each turn end passes (None: every turn end is sent). The first
+        endpointer of a process loads Silero (`server/vad/silero.py`); the others cost two empty tensors."""
+        self.gate = gate
+        self.configure(config or VadConfig())
+        self.silero = SileroStream()
+        self.resampler = soxr.ResampleStream(SAMPLE_RATE, RATE, 1, dtype="float32")
         self.buffer = np.zeros(0, dtype=np.float32)
         self.speaking = False
         self.silent_windows = 0
@@ -77,15 +77,18 @@ class Endpointer:
         self.resuming: _Tally | None = None  # that turn, while speech that started soon after it is weighed
         self.turn: TurnScore | None = None
 
-    @torch.inference_mode()
+    def configure(self, config: VadConfig) -> None:
+        """Settings from the next window on; the stream's state, and the stretch under way, go on."""
+        config.check()
+        self.cfg = config
+
     def push(self, pcm: np.ndarray) -> list[str]:
-        audio = soxr.resample(np.asarray(pcm, dtype=np.float32), SAMPLE_RATE, RATE).astype(np.float32)
+        audio = self.resampler.resample_chunk(np.asarray(pcm, dtype=np.float32))
         self.buffer = np.concatenate([self.buffer, audio])
         events = []
         while len(self.buffer) >= WINDOW:
             window, self.buffer = self.buffer[:WINDOW], self.buffer[WINDOW:]
-            p = float(self.model(torch.from_numpy(window), RATE))
-            events += self._window(p, float(np.mean(np.square(window))))
+            events += self._window(self.silero.probability(window), float(np.mean(np.square(window))))
         return events
 
     def _window(self, p: float, energy: float) -> list[str]:
