@@ -109,7 +109,7 @@ class Connection:
     """One client's socket as a session sees it: messages out in the wire's framing, and what the client has heard."""
 
     def __init__(self, ws: ServerConnection, wire: Wire, limits: Limits, dropped: Callable[[str], None]):
-        """`dropped(code)`: the server closed it (`drop`), and why (`idle`, `slow_reader`)."""
+        """`dropped(code)`: the server closed it (`drop`), and why (`idle`, `slow_reader`, a stream error's code)."""
         self.ws, self.wire, self.limits, self.dropped, self.playback = ws, wire, limits, dropped, Playback()
         self.heard_until = time.monotonic()  # when the audio the client sent will have played (from open: none yet)
 
@@ -257,14 +257,17 @@ async def serve_connection(
             await conn.close(1013, str(e))  # try again later, and why
             return
         idle = asyncio.create_task(_close_when_idle(conn, limits.idle_timeout_s))
+        bad: StreamError | None = None
         try:
             await ws.send(wire.opened(session.info | ({"replica": replica} if replica else {})))
-            await _receive(conn, session, limits)
+            bad = await _receive(conn, session, limits)
         except ConnectionClosed:
             pass
         finally:  # whatever happened, the session goes (a conversation's pages with it)
             idle.cancel()
             await session.close()
+    if bad is not None:  # after the session: a client that does not read holds its socket, not its slot
+        await conn.drop(str(bad), bad.code)
 
 
 async def _close_when_idle(conn: Connection, timeout_s: float) -> None:
@@ -275,7 +278,9 @@ async def _close_when_idle(conn: Connection, timeout_s: float) -> None:
     await conn.drop(f"idle: no audio for {timeout_s:g} s", "idle")
 
 
-async def _receive(conn: Connection, session: Session, limits: Limits) -> None:
+async def _receive(conn: Connection, session: Session, limits: Limits) -> StreamError | None:
+    """The client's messages into `session` until the socket ends (None) or a message the connection cannot go on
+    from (returned: the caller closes the session, then the socket)."""
     audio_pace = Pace(1.0, limits.realtime_burst_s, "sending faster than real time: throttled")
     rate = limits.max_messages_per_s
     message_warning = f"sending more than {rate:g} messages a second (a costlier event counts as several): throttled"
@@ -288,15 +293,13 @@ async def _receive(conn: Connection, session: Session, limits: Limits) -> None:
         try:
             item = conn.wire.parse(message)
         except StreamError as e:
-            await conn.send_error(str(e), e.code)
-            await conn.close(1008, str(e))
-            return
+            return e
         except ProtocolError as e:
             await conn.send_error(str(e), e.code)
             item = None
         await message_pace.take(item.cost if isinstance(item, Request) else 1, conn)  # what it makes the server do
         if conn.gone():  # the client left, maybe while its messages waited: the rest of them go unread
-            return
+            return None
         if isinstance(item, Audio):  # only audio keeps a connection from being idle
             conn.heard(item.pcm)
         if isinstance(item, EndTurn):
@@ -311,7 +314,7 @@ async def _receive(conn: Connection, session: Session, limits: Limits) -> None:
                 pcm = item.pcm[a : a + BLOCK]
                 await audio_pace.take(len(pcm) / SAMPLE_RATE, conn)
                 if conn.gone():  # the client went while its message waited: the rest goes
-                    return
+                    return None
                 if session.vad is None:
                     vad = None
                 elif vad is None:  # (a process's first endpointer loads Silero: in a thread, as the scoring runs)
@@ -330,3 +333,4 @@ async def _receive(conn: Connection, session: Session, limits: Limits) -> None:
                     await session.speech_ended()
         # Taken last, so the slices' real-time pace comes first: audio then finds its bytes within bounds.
         await byte_pace.take(len(message), conn)
+    return None

@@ -20,7 +20,10 @@ class TurnMetrics:
         )
         self.connections = Counter("s2s_connections", "conversations opened", ["protocol"], registry=registry)
         self.closed = Counter(
-            "s2s_connections_closed", "connections the server closed: idle, slow_reader", ["reason"], registry=registry
+            "s2s_connections_closed",
+            "connections the server closed: idle, slow_reader, invalid_request",
+            ["reason"],
+            registry=registry,
         )
 
     def dropped(self, reason: str) -> None:

@@ -4,7 +4,12 @@ are paced whether or not they decode, and one large message reaches the engine i
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import os
+import socket
 import struct
+import urllib.parse
 
 import numpy as np
 import pytest
@@ -82,6 +87,51 @@ def test_invalid_opus_resets_the_reader_and_a_flood_of_it_closes_the_connection(
 
     limits = Limits(realtime_burst_s=3600, max_messages_per_s=1e4)  # this is about memory, not pace
     run_with_server(parts, body, ServerOptions(port=0, limits=limits))
+
+
+def websocket_that_never_reads(url: str, path: str) -> socket.socket:
+    """A websocket's client side by hand, after its handshake: a socket a test writes frames to and never reads,
+    so it never answers the server's close."""
+    address = urllib.parse.urlsplit(url)
+    sock = socket.create_connection((address.hostname, address.port))
+    key = base64.b64encode(os.urandom(16)).decode()
+    upgrade = f"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13"
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: {address.netloc}\r\n{upgrade}\r\n\r\n".encode())
+    response = b""
+    while b"\r\n\r\n" not in response:
+        response += sock.recv(4096)
+    assert response.startswith(b"HTTP/1.1 101"), response
+    return sock
+
+
+def binary_frame(payload: bytes) -> bytes:
+    """One masked binary websocket frame (a zero mask: the payload as it is)."""
+    return struct.pack("!BBQ", 0x82, 0x80 | 127, len(payload)) + bytes(4) + payload
+
+
+def test_a_stream_error_closes_the_conversation_before_the_socket(parts) -> None:
+    """A message the connection cannot go on from (Ogg/Opus with no audio in it past the cap) ends the conversation
+    at once, even for a client that never reads and never answers the close: it held its slot until the close
+    timeout (10 s) gave up on its socket."""
+    garbage = protocol.audio(bytes(range(1, 256)) * 1100)  # 280,500 bytes, no "OggS" in them: past the cap
+
+    async def body(url, srv):
+        sock = await asyncio.to_thread(websocket_that_never_reads, url, "/api/chat?mode=turn&codec=opus")
+        try:
+            await snapshot_until(srv.engine, lambda s: s.conversations == 1, 30, "the conversation did not open")
+            sock.sendall(binary_frame(garbage))
+            await snapshot_until(srv.engine, lambda s: s.conversations == 0, 30, "the conversation did not close")
+            sock.setblocking(False)
+            told = b""
+            with contextlib.suppress(BlockingIOError):
+                while chunk := sock.recv(1 << 16):
+                    told += chunk
+            assert b"no audio in over" in told, told[:200]
+            assert chunk != b"", "the server gave up on the socket before it closed the conversation"
+        finally:
+            sock.close()
+
+    run_with_server(parts, body)
 
 
 def never_ending_packet_page(continued: bool) -> bytes:

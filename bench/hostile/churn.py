@@ -87,12 +87,16 @@ async def cycles(url: str, pid: int, cycle, payload, warm: int, n: int, parallel
 
 
 async def churn(url: str, pid: int, quick: bool) -> dict[str, object]:
-    speech = utterances(2.0, 1)[0]
-    pcm = to_pcm16(speech)
+    """After one 12 s duplex conversation (a server's rows of frames are as wide as the longest conversation it has
+    had, and the code before kept a copy of a closed conversation's whole row), the RSS each short one leaves. Run
+    the server with `MALLOC_MMAP_THRESHOLD_=65536`: glibc otherwise serves those copies from space a tick freed, and
+    hides them for hundreds of conversations (`tests/test_churn.py`)."""
+    await talk(url, utterances(12.0, 1)[0], mode="duplex", codec="pcm16", listen_s=0.5)
+    pcm = to_pcm16(utterances(2.0, 1)[0])
     warm, n = (30, 150) if quick else (100, 600)
     per, got = await cycles(url, pid, moshi_cycle, pcm, warm, n)
     out: dict[str, object] = {
-        f"churn: RSS growth per Moshi conversation (KB), {n} after {warm}, 2 s of audio each": per / 1e3,
+        f"churn: RSS growth per Moshi conversation (KB), {n} after a 12 s one and {warm}, 2 s of audio each": per / 1e3,
         "churn: the Moshi conversations got": got,
     }
     n_rt = n // 4
