@@ -30,8 +30,8 @@ START_TIMEOUT_S = 300.0
 
 
 def run_folders() -> set[str]:
-    """The `--frontends` run folders in the temporary folder."""
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "s2s-*")))
+    """The `--frontends` run folders in the servers' temporary folder (`operators`' own)."""
+    return set(glob.glob(os.path.join(os.environ["TMPDIR"], "s2s-*")))
 
 
 def time_wait(port: int) -> int:
@@ -199,4 +199,15 @@ def cluster(settle_s: float = 15.0) -> dict[str, object]:
 
 
 def operators(quick: bool) -> dict[str, object]:
-    return {**restart(500 if quick else 5000), **held_port(), **cluster()}
+    """Each probe's servers get a temporary folder of their own (`TMPDIR`), so that what they leave is told apart
+    from what other processes on the machine make."""
+    before = os.environ.get("TMPDIR")
+    with tempfile.TemporaryDirectory(prefix="hostile-") as tmp:
+        os.environ["TMPDIR"] = tmp
+        try:
+            return {**restart(500 if quick else 5000), **held_port(), **cluster()}
+        finally:
+            if before is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = before
