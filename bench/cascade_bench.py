@@ -52,7 +52,8 @@ from bench.common import (
     scrape,
     write_json,
 )
-from codec.pcm import FRAME_SIZE, SAMPLE_RATE, to_pcm16
+from codec import EncodecTokenizer
+from codec.pcm import SAMPLE_RATE, to_pcm16
 from s2s import ModelConfig
 from server.moshi import protocol
 from server.moshi.client import refusal_of
@@ -66,6 +67,7 @@ from speech.sample import synthesize
 SILENT = 0.005  # |sample| above this is speech
 TURN_GAP_S = 0.5  # a client's pause between its turns
 PRESET = "small"
+FRAME_SIZE = EncodecTokenizer.frame_size  # the servers serve the shipped codec: its frames are theirs
 SENTENCES = [
     "What is the weather going to be like tomorrow morning",
     "Please book a table for two at the Italian place tonight",
@@ -152,9 +154,7 @@ async def one_turn(url: str, clip: Clip, system: str, query: str, timeout_s: flo
     eos_at = start + (clip.eos + 1) / SAMPLE_RATE  # when the speaker stopped, in real time
     received = 0  # duplex: samples of model audio so far
     first_audio: float | None = None
-    target = (
-        clip.eos // FRAME_SIZE + max_delay + 1 + 1
-    ) * FRAME_SIZE  # duplex: samples up to the end of that model frame
+    target = (clip.eos // FRAME_SIZE + max_delay + 1 + 1) * FRAME_SIZE  # duplex: samples to the end of that frame
     done = asyncio.Event()
     meta: dict = {}
 

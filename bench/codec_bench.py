@@ -1,6 +1,8 @@
 """Codec benchmark: first-chunk decode latency and batched streaming encode + decode throughput.
 
-    s2s bench codec [--quick] [--json PATH] [--plot PATH]
+    s2s bench codec [--codec encodec|mimi] [--quick] [--json PATH] [--plot PATH]
+
+(`--codec mimi`: Kyutai's streaming Mimi against this one, `bench/codec_mimi.py`; what follows is EnCodec's.)
 
 Three measurements, side by side in one run on the same weights (seeded, weight norm folded):
 1. TTFA of the codec for one conversation: a fresh streaming decoder, the first frame pushed, until its samples are out;
@@ -25,6 +27,7 @@ import matplotlib.pyplot as plt
 import torch
 from tqdm import tqdm
 
+from bench import codec_mimi
 from bench.common import environment, parser, peak_rss_bytes, percentiles, print_table, save_outputs, timed
 from codec import EncodecTokenizer
 
@@ -174,8 +177,24 @@ def plot(rows: list[dict], path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def mimi(args) -> None:
+    rows = [{**environment(), "quick": args.quick, **r} for r in codec_mimi.compare(args.quick)]
+    columns = [("side", "side"), ("conversations", "B"), ("encode_ms_p50", "encode ms p50")]
+    columns += [("decode_ms_p50", "decode ms p50"), ("streams_per_core", "real-time streams per core")]
+    columns += [("first_encode_ms", "first frame: encode ms"), ("first_decode_ms", "decode ms")]
+    columns += [("codes_equal_kyutai", "row 0's codes = Kyutai's"), ("audio_max_diff", "audio max diff")]
+    tables = print_table("Streaming Mimi, one 80 ms frame a call, 1 torch thread, same weights", rows, columns)
+    save_outputs(args, rows, tables)
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = parser("codec", __doc__.splitlines()[0]).parse_args(argv)
+    p = parser("codec", __doc__.splitlines()[0])
+    p.add_argument("--codec", choices=("encodec", "mimi"), default="encodec", help="mimi: `bench/codec_mimi.py`")
+    args = p.parse_args(argv)
+    if args.codec == "mimi":
+        if args.plot == p.get_default("plot"):  # (the table only: beside EnCodec's, not over it)
+            args.plot = args.plot.with_name("codec-mimi.png")
+        return mimi(args)
     tok = EncodecTokenizer.from_pretrained()
     batches, chunks, ticks_audio_frames = (
         ([1, 16], [1, 4], 24) if args.quick else ([1, 4, 8, 12, 16, 32], [1, 2, 4, 8], 64)

@@ -47,10 +47,13 @@ from bench.common import (
     scrape,
     write_json,
 )
-from codec.pcm import FRAME_S, SAMPLE_RATE
+from codec import EncodecTokenizer
+from codec.pcm import SAMPLE_RATE
 from server.moshi.client import talk
 from server.process import ServerProcess
 from speech.sample import speech
+
+FRAME_S = EncodecTokenizer.frame_size / SAMPLE_RATE  # the server serves the shipped codec: its frames are theirs
 
 
 def rss_bytes(pid: int) -> int:

@@ -3,7 +3,8 @@
     s2s bench engine [--quick] [--json PATH] [--plot PATH]
 
 In-process, no sockets. For each concurrency N, N duplex conversations ask to open one every 3 ticks; each admitted
-one streams espeak-ng speech, one 320-sample frame per 13.33 ms tick, for the run's length, and reads its audio back.
+one streams espeak-ng speech, a codec frame at a time in real time (EnCodec's: 320 samples, 13.33 ms), for the
+run's length, and reads its audio back.
 The driver paces ticks to the wall clock, as the engine thread does. Both systems are `s2s.Engine` with the same
 codec path, scheduler, sampling and admission control (calibrated on their own tick times); they differ only in the
 model step:
@@ -32,7 +33,6 @@ from transformers import DynamicCache, LlamaModel
 
 from bench.common import SENTENCES, environment, parser, peak_rss_bytes, percentiles, print_table, save_outputs
 from codec import EncodecTokenizer
-from codec.pcm import FRAME_S
 from s2s import ModelConfig, S2SModel, SamplingParams
 from s2s.engine.engine import AudioEvent, Engine, EngineConfig, Refused
 from s2s.runner.model_runner import ModelRunner
@@ -84,9 +84,8 @@ def clips() -> list[np.ndarray]:
 
 def run(engine: Engine, n: int, seconds: float, voices: list[np.ndarray]) -> dict:
     """N conversations ask to open, one every 3 ticks; a refused one asks again every 10 ticks. Audio reaches the
-    engine by the wall clock (a frame per 13.33 ms per conversation), whatever the engine's pace."""
-    tick = engine.cfg.tick_s
-    frame = tick / engine.cfg.frames_per_tick
+    engine by the wall clock (a frame per frame's duration per conversation), whatever the engine's pace."""
+    tick, frame, frame_size = engine.cfg.tick_s, engine.cfg.frame_s, engine.cfg.frame_size
     asks = {i: 3 * i for i in range(n)}  # conversation -> tick of its next attempt
     total = int(seconds / tick) + 3 * n
     live: dict[str, tuple[np.ndarray, float]] = {}  # cid -> (clip, wall time it opened)
@@ -111,7 +110,7 @@ def run(engine: Engine, n: int, seconds: float, voices: list[np.ndarray]) -> dic
         for cid, (clip, opened) in live.items():
             due = int((now - opened) / frame) + 1
             if due > sent[cid]:
-                a, b = sent[cid] * 320 % len(clip), due * 320 % len(clip)
+                a, b = sent[cid] * frame_size % len(clip), due * frame_size % len(clip)
                 chunk = clip[a:b] if b > a else np.concatenate([clip[a:], clip[:b]])
                 engine.push_audio(cid, chunk)
                 sent[cid] = due
@@ -123,7 +122,7 @@ def run(engine: Engine, n: int, seconds: float, voices: list[np.ndarray]) -> dic
             while not q.empty():
                 event = q.get()
                 if isinstance(event, AudioEvent):
-                    frames_out += len(event.pcm) // 320
+                    frames_out += len(event.pcm) // frame_size
         next_tick += tick
         delay = next_tick - time.perf_counter()
         if delay > 0:
@@ -142,9 +141,10 @@ def run(engine: Engine, n: int, seconds: float, voices: list[np.ndarray]) -> dic
         "tick_ms_p95": p["p95"],
         "tick_ms_p99": p["p99"],
         "rtf_mean": float(np.mean(tick_times) / tick),
-        "throughput_x_realtime": frames_out * FRAME_S / wall,
+        "throughput_x_realtime": frames_out * frame / wall,
         "deadline_misses": engine.stats.deadline_misses,
         "seconds": seconds,
+        "tick_s": tick,
         "peak_rss_bytes": peak_rss_bytes(),
     }
 
@@ -160,7 +160,7 @@ def plot(rows: list[dict], path) -> None:
         axes[1].plot([p[0] for p in pts], [p[2] for p in pts], marker="o", label=system)
     axes[0].set_ylabel("throughput (x real time, all conversations)")
     axes[1].set_ylabel("tick p50 (ms)")
-    budget = rows[0]["frames_per_tick"] * FRAME_S * 1000
+    budget = rows[0]["tick_s"] * 1000
     axes[1].axhline(budget, color="k", ls="--", lw=1, label=f"tick budget ({budget:.1f} ms)")
     for ax in axes:
         ax.set_xscale("log", base=2)

@@ -20,14 +20,16 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from bench.common import environment, parser, print_table, save_outputs, write_json
+from codec import EncodecTokenizer
 from s2s.engine.events import AudioEvent, EventQueue
 from server.engine_session import events
 
-TICK_PCM = np.zeros(4 * 320, np.float32)
+FRAME_SIZE = EncodecTokenizer.frame_size  # the events are the shipped codec's
+TICK_PCM = np.zeros(4 * FRAME_SIZE, np.float32)
 
 
 def measure(n: int, ticks: int) -> dict:
-    queues = [EventQueue() for _ in range(n)]
+    queues = [EventQueue(FRAME_SIZE) for _ in range(n)]
     engine_cpu_s = 0.0
 
     def engine() -> None:

@@ -123,7 +123,7 @@ def count(preset: str, conversations: int, ticks: int, path: str) -> dict:
     stream_layers._LSTM.stepped = _labelled(lstm, "codec LSTM", stack)
     try:
         cids = [engine.open("duplex", sampling=SamplingParams(seed=i), admit=False) for i in range(conversations)]
-        silence = np.zeros(320 * FRAMES_PER_TICK, dtype=np.float32)
+        silence = np.zeros(tok.frame_size * FRAMES_PER_TICK, dtype=np.float32)
         for tick in range(8 + ticks):  # 8 ticks: both codec streams past their 7-frame warm-up
             for cid in cids:
                 engine.push_audio(cid, silence)

@@ -25,12 +25,14 @@ import numpy as np
 
 from bench.common import environment, parser, print_table, save_outputs
 from bench.concurrency_bench import rss_bytes
-from codec.pcm import FRAME_S
+from codec.pcm import SAMPLE_RATE
 from s2s import ModelConfig, S2SModel, SamplingParams
+from s2s.engine.config import CODES_ONLY_FRAME_SIZE
 from s2s.engine.engine import Engine, EngineConfig
 from s2s.runner.cuda_graphs import DecodeGraphs
 
 FRAMES_PER_TICK = 4
+FRAME_S = CODES_ONLY_FRAME_SIZE / SAMPLE_RATE  # the frame of the codec-free engine this bench feeds codes to
 
 
 class Counted(DecodeGraphs):

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.rounds is not None and args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     scale, tok, model, clips = setup(args.preset, args.quick, args.rounds)
-    clip_frames = round(np.mean([len(c) for c in clips]) / 320)
+    clip_frames = round(np.mean([len(c) for c in clips]) / tok.frame_size)
     env = {**environment(), "quick": args.quick, "preset": args.preset, **asdict(scale), "page_size": PAGE}
     env |= {"frames_per_tick": FRAMES_PER_TICK, "max_context": MAX_CONTEXT, "prefill_budget": PREFILL_BUDGET}
     env |= {"question_frames_mean": clip_frames, "user_turn": args.user_turn, "workloads": args.workloads}
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         runs.setdefault((name, fraction, mode), []).append(
             run_once(engine, lambda d, s=scripts_of, w=w: s(d, w), streamed, scale.stall_s)
         )
-    budget = pressure_working_set(Workload(scale, clips, 0)) // 2  # depends on the clips and the scale only
+    budget = pressure_working_set(Workload(scale, clips, 0), tok.frame_size) // 2  # the clips and the scale only
     pressure_jobs = [
         (r, name, MODES[(r + k) % len(MODES)])
         for r in range(scale.rounds)

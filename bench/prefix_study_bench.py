@@ -41,8 +41,8 @@ SENTENCE = "Could you book a table for two at the Italian place near the station
 PROMPT_SENTENCE = "Hi, I am your assistant."  # a voice prompt: another sentence in another voice
 NEXT_SENTENCE = "Thanks, and please remind me an hour before."  # the user's next turn
 BASE_VOICE, BASE_WPM = "en-us", 150
-SHIFTS = (0, 1, 80, 160, 320)
-FRAME = 320  # samples per codec frame
+FRAME = EncodecTokenizer.frame_size  # samples per frame of the codec studied
+SHIFTS = (0, 1, FRAME // 4, FRAME // 2, FRAME)
 PAGE = 16
 BANDWIDTH, ENGINE_BANDWIDTH = 6.0, 1.5  # codes at 6 kbps; their first codebooks are the 1.5 kbps codes
 WIDE, NARROW = 8, 2  # codebooks at those bandwidths
@@ -112,7 +112,7 @@ def chance_equal(a: np.ndarray, b: np.ndarray) -> dict[str, float]:
 
 def turn_key(codes: np.ndarray, cfg: ModelConfig, prompt: np.ndarray | None = None) -> np.ndarray:
     """The engine's prefix key for a turn-mode user turn `[K, F]`, after an optional voice prompt `[K, P]`."""
-    conv = Session("study", "turn", cfg, SamplingParams(), row=0, now=0.0)
+    conv = Session("study", "turn", cfg, SamplingParams(), row=0, now=0.0, frame_size=FRAME)
     if prompt is not None:
         conv.set_prompt(prompt)
     conv.add_user_frames(codes)
@@ -317,7 +317,7 @@ def tables(pairs: list[dict], scenarios: list[dict], usage: dict, codec_note: st
         summ,
         [("relation", "relation")]
         + [(f"equal_{k}", h) for k, h in heads]
-        + [("equal_realigned_all2", "all 2 after k // 320 frames"), ("equal_realigned_all8", "all 8 after k // 320")],
+        + [("equal_realigned_all2", "all 2 after k // frame"), ("equal_realigned_all8", "all 8 after k // frame")],
     )
     md += print_table(
         f"Distinct codes in the base take (of {usage['codebook_size']} per codebook), {usage['frames']} frames",

@@ -42,11 +42,13 @@ from tqdm import tqdm
 from bench.common import environment, parser, percentiles, print_table, save_outputs, write_json
 from bench.noise import KINDS
 from bench.noise_turns import BLOCK_S, PLAIN, Timeline, VadEvent, endpoint, spurious_row, track
-from codec.pcm import FRAME_S
+from codec.pcm import SAMPLE_RATE
 from s2s import CodesEvent, Engine, EngineConfig, ModelConfig, S2SModel, SamplingParams
+from s2s.engine.config import CODES_ONLY_FRAME_SIZE
 from server.vad.config import VadConfig
 from server.vad.turn_gate import TurnGate
 
+FRAME_S = CODES_ONLY_FRAME_SIZE / SAMPLE_RATE  # the frame of the codec-free engine this bench feeds codes to
 FRAMES_PER_BLOCK = round(BLOCK_S / FRAME_S)  # 6: a client's 80 ms block
 DRAIN_S = 2.0  # no events this close to a session's end: every turn has time for its first audio
 

@@ -1,4 +1,4 @@
-"""EnCodec tokenizer: 24 kHz PCM <-> discrete multi-codebook codes, offline and streaming.
+"""Codec tokenizers (EnCodec, Mimi): 24 kHz PCM <-> discrete multi-codebook codes, offline and streaming.
 
 Names are imported on first use (PEP 562): `codec.pcm` alone does not import transformers."""
 
@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 _HOMES = {
     "BANDWIDTHS": "codec.tokenizer",
     "EncodecTokenizer": "codec.tokenizer",
+    "MimiConfig": "codec.mimi.config",
+    "MimiTokenizer": "codec.mimi.tokenizer",
     "StreamingDecoder": "codec.streaming",
     "StreamingEncoder": "codec.streaming",
 }
@@ -17,11 +19,15 @@ _HOMES = {
 __all__ = [
     "BANDWIDTHS",
     "EncodecTokenizer",
+    "MimiConfig",
+    "MimiTokenizer",
     "StreamingDecoder",
     "StreamingEncoder",
 ]
 
 if TYPE_CHECKING:
+    from codec.mimi.config import MimiConfig
+    from codec.mimi.tokenizer import MimiTokenizer
     from codec.streaming import StreamingDecoder, StreamingEncoder
     from codec.tokenizer import BANDWIDTHS, EncodecTokenizer
 

@@ -1,6 +1,9 @@
-"""The audio every part of the server speaks: 24 kHz mono float32 PCM in [-1, 1], in frames of 320 samples (75 a
-second), its 16-bit form (pcm16, on the wire), and audio files read (any rate, resampled with soxr) and written. A
-module of its own so that processes which only move audio (the front ends) need not import the codec."""
+"""The audio every part of the server speaks: 24 kHz mono float32 PCM in [-1, 1], its 16-bit form (pcm16, on the
+wire), and audio files read (any rate, resampled with soxr) and written. A module of its own so that processes which
+only move audio (the front ends) need not import the codec.
+
+How many samples make a frame is the codec's (`frame_size`: EnCodec's 320, Mimi's 1920), which an engine takes from
+its tokenizer (`EngineConfig.frame_size`), not from here."""
 
 from __future__ import annotations
 
@@ -11,8 +14,6 @@ import soundfile as sf
 import soxr
 
 SAMPLE_RATE = 24000
-FRAME_SIZE = 320
-FRAME_S = FRAME_SIZE / SAMPLE_RATE  # one codec frame: 13.3 ms
 
 
 def checked_audio(pcm: np.ndarray) -> np.ndarray:

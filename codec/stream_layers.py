@@ -1,58 +1,91 @@
-"""EnCodec's SEANet layers as pure streaming steps: each transformers layer wrapped (sharing its weights) as
-`layer(x, state) -> (y, new_state)`, where `state=None` starts a stream and pads its left edge exactly as transformers
-does (see `codec/streaming.py` for how the encoder and decoder use them)."""
+"""Streaming steps: layers as pure functions `layer(x, state) -> (y, new_state)`, where `state=None` starts a stream
+and pads its left edge as the offline model does, and the state carries what the next chunk needs (see
+`codec/streaming.py` for how the encoder and decoder use them). The steps are built from plain torch modules
+(sharing their weights), so both codecs use them: `StreamingNet` wraps EnCodec's transformers layers, `codec/mimi/`
+builds Mimi's."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.encodec.modeling_encodec import (
-    EncodecConv1d,
-    EncodecConvTranspose1d,
-    EncodecLSTM,
-    EncodecResnetBlock,
-)
+
+if TYPE_CHECKING:
+    from transformers.models.encodec.modeling_encodec import EncodecLSTM
 
 State = tuple  # nested tuples of tensors, batch row first
+Step = Callable[[torch.Tensor, "State | None"], tuple[torch.Tensor, State]]
 
 
-class _Conv1d:
-    def __init__(self, m: EncodecConv1d):
-        if not m.causal or m.norm_type != "weight_norm":
-            raise ValueError("streaming needs causal convolutions without group norm")
-        self.conv = m.conv
-        k, s, d = m.conv.kernel_size[0], m.conv.stride[0], m.conv.dilation[0]
-        self.stride = s
-        self.padding = (k - 1) * d + 1 - s
-        self.pad_mode = m.pad_mode
+def pad_left(x: torch.Tensor, n: int, mode: str) -> torch.Tensor:
+    """`x` padded by `n` steps on the left: "constant" (zeros), "replicate", or "reflect", which on an input of `n`
+    steps or fewer reflects zeros appended on the right (as transformers' and audiocraft's `pad1d` do)."""
+    if mode != "reflect":
+        return F.pad(x, (n, 0), mode)
+    extra = max(0, n - x.shape[-1] + 1)
+    padded = F.pad(F.pad(x, (0, extra)), (n, 0), mode)
+    return padded[..., : padded.shape[-1] - extra]
+
+
+class Conv1dStep:
+    """A causal convolution: keeps its last `padding` inputs (a chunk's length must be a multiple of the stride).
+
+    `matmul`: computed as one matrix product over the unfolded input instead of torch's convolution (oneDNN), which
+    on a CPU is many times slower for wide layers over a few steps (Mimi's 512 -> 1024 channels, kernel 16, over 2
+    steps a frame: ~20 ms against ~2 for 4 rows)."""
+
+    def __init__(self, conv: nn.Conv1d, pad_mode: str, matmul: bool = False):
+        k, s, d = conv.kernel_size[0], conv.stride[0], conv.dilation[0]
+        if conv.padding != (0,):
+            raise ValueError("a causal convolution pads by itself: the torch convolution must not")
+        if matmul and conv.groups != 1:
+            raise ValueError("a grouped convolution runs as torch's, not as a matrix product")
+        self.conv = conv
+        self.stride, self.span, self.dilation = s, (k - 1) * d + 1, d
+        self.padding = self.span - s
+        self.pad_mode = pad_mode
+        self.matmul = matmul
 
     def __call__(self, x: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
         if x.shape[-1] % self.stride:
             raise AssertionError("chunk length must be a multiple of the stride")
-        if self.padding == 0:
-            return self.conv(x), ()
-        if state is None:
-            x = EncodecConv1d._pad1d(x, (self.padding, 0), mode=self.pad_mode)
-        else:
-            x = torch.cat([state[0], x], dim=-1)
-        return self.conv(x), (x[..., -self.padding :],)
+        new_state: State = ()
+        if self.padding:
+            x = pad_left(x, self.padding, self.pad_mode) if state is None else torch.cat([state[0], x], dim=-1)
+            new_state = (x[..., -self.padding :],)
+        if not self.matmul:
+            return self.conv(x), new_state
+        cols = x.unfold(2, self.span, self.stride)[..., :: self.dilation]  # [B, C, T, k]
+        batch, steps = cols.shape[0], cols.shape[2]
+        cols = cols.permute(0, 2, 1, 3).reshape(batch * steps, -1)
+        w = self.conv.weight
+        y = F.linear(cols, w.view(w.shape[0], -1), self.conv.bias)
+        return y.view(batch, steps, -1).transpose(1, 2), new_state
 
 
-class _ConvTranspose1d:
-    def __init__(self, m: EncodecConvTranspose1d):
-        if not m.causal or m.trim_right_ratio != 1.0 or m.norm_type != "weight_norm":
-            raise ValueError("streaming needs causal transposed convolutions trimmed on the right")
-        conv = m.conv
-        self.weight, self.bias, self.stride = conv.weight, conv.bias, conv.stride[0]
+class ConvTranspose1dStep:
+    """A causal transposed convolution trimmed on the right: keeps the overlap it has not emitted yet.
+
+    `matmul`: each input step's contribution as one matrix product, then overlapped and added (see `Conv1dStep`)."""
+
+    def __init__(self, conv: nn.ConvTranspose1d, matmul: bool = False):
+        if conv.padding != (0,) or conv.output_padding != (0,) or conv.dilation != (1,):
+            raise ValueError("streaming needs a transposed convolution without padding or dilation")
+        if matmul and conv.groups != 1:
+            raise ValueError("a grouped transposed convolution runs as torch's, not as a matrix product")
+        self.weight, self.bias, self.stride, self.groups = conv.weight, conv.bias, conv.stride[0], conv.groups
         self.overlap = conv.kernel_size[0] - self.stride
         if self.overlap > self.stride:
             raise ValueError("overlap longer than one input step is not supported")
+        self.matmul = matmul
 
     def __call__(self, x: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
-        y = F.conv_transpose1d(x, self.weight, None, self.stride)
+        if self.matmul:
+            return self._matmul(x, state)
+        y = F.conv_transpose1d(x, self.weight, None, self.stride, groups=self.groups)
         n = x.shape[-1] * self.stride
         if state is not None:
             y[..., : self.overlap] += state[0]
@@ -60,6 +93,21 @@ class _ConvTranspose1d:
         if self.bias is not None:
             out = out + self.bias[:, None]
         return out, (y[..., n:],)
+
+    def _matmul(self, x: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
+        batch, c_in, steps = x.shape
+        s, overlap = self.stride, self.overlap
+        cols = torch.matmul(x.transpose(1, 2), self.weight.view(c_in, -1)).view(batch, steps, -1, s + overlap)
+        out = cols[..., :s].clone()  # [B, T, C, stride]: each step's own samples ...
+        tail = cols[..., s:]  # ... and what it adds to the next step's first `overlap`
+        if overlap:
+            out[:, 1:, :, :overlap] += tail[:, :-1]
+            if state is not None:
+                out[:, 0, :, :overlap] += state[0]
+        y = out.permute(0, 2, 1, 3).reshape(batch, -1, steps * s)
+        if self.bias is not None:
+            y = y + self.bias[:, None]
+        return y, (tail[:, -1],)
 
 
 class _LSTM:
@@ -118,17 +166,17 @@ class _LSTM:
         return (out + seq).transpose(1, 2), (torch.stack(hs, 1), torch.stack(cs, 1))
 
 
-class _ELU:
-    def __init__(self, m: nn.ELU):
-        self.alpha = m.alpha
+class EluStep:
+    def __init__(self, alpha: float):
+        self.alpha = alpha
 
     def __call__(self, x: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
         return F.elu(x, self.alpha), ()
 
 
-class _Sequence:
-    def __init__(self, layers: Sequence[nn.Module]):
-        self.layers = [_wrap(layer) for layer in layers]
+class SequenceStep:
+    def __init__(self, layers: Sequence[Step]):
+        self.layers = list(layers)
 
     def __call__(self, x: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
         new = []
@@ -138,10 +186,11 @@ class _Sequence:
         return x, tuple(new)
 
 
-class _ResnetBlock:
-    def __init__(self, m: EncodecResnetBlock):
-        self.block = _Sequence(m.block)
-        self.shortcut = None if isinstance(m.shortcut, nn.Identity) else _wrap(m.shortcut)
+class ResidualStep:
+    """`shortcut(x) + block(x)`, the shortcut the identity when None (SEANet's residual block)."""
+
+    def __init__(self, block: Step, shortcut: Step | None):
+        self.block, self.shortcut = block, shortcut
 
     def __call__(self, x: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
         h, s_block = self.block(x, None if state is None else state[0])
@@ -151,18 +200,35 @@ class _ResnetBlock:
         return r + h, (s_block, s_short)
 
 
-def _wrap(m: nn.Module) -> Callable[[torch.Tensor, State | None], tuple[torch.Tensor, State]]:
-    for kind, wrapper in (
-        (EncodecConv1d, _Conv1d),
-        (EncodecConvTranspose1d, _ConvTranspose1d),
-        (EncodecLSTM, _LSTM),
-        (EncodecResnetBlock, _ResnetBlock),
-        (nn.ELU, _ELU),
-    ):
-        if isinstance(m, kind):
-            return wrapper(m)
+def _wrap(m: nn.Module) -> Step:
+    """EnCodec's transformers layer `m` as a step."""
+    from transformers.models.encodec.modeling_encodec import (
+        EncodecConv1d,
+        EncodecConvTranspose1d,
+        EncodecLSTM,
+        EncodecResnetBlock,
+    )
+
+    if isinstance(m, EncodecConv1d):
+        if not m.causal or m.norm_type != "weight_norm":
+            raise ValueError("streaming needs causal convolutions without group norm")
+        return Conv1dStep(m.conv, m.pad_mode)
+    if isinstance(m, EncodecConvTranspose1d):
+        if not m.causal or m.trim_right_ratio != 1.0 or m.norm_type != "weight_norm":
+            raise ValueError("streaming needs causal transposed convolutions trimmed on the right")
+        return ConvTranspose1dStep(m.conv)
+    if isinstance(m, EncodecLSTM):
+        return _LSTM(m)
+    if isinstance(m, EncodecResnetBlock):
+        shortcut = None if isinstance(m.shortcut, nn.Identity) else _wrap(m.shortcut)
+        return ResidualStep(StreamingNet(m.block), shortcut)
+    if isinstance(m, nn.ELU):
+        return EluStep(m.alpha)
     raise TypeError(f"no streaming version of {type(m).__name__}")
 
 
-class StreamingNet(_Sequence):
-    """A SEANet encoder or decoder as a streaming step function over a batch of rows."""
+class StreamingNet(SequenceStep):
+    """A SEANet encoder or decoder of transformers' EnCodec as a streaming step function over a batch of rows."""
+
+    def __init__(self, layers: Sequence[nn.Module]):
+        super().__init__([_wrap(layer) for layer in layers])

@@ -1,18 +1,19 @@
-"""Stateful, chunk-invariant streaming of EnCodec's SEANet encoder and decoder.
+"""Stateful, chunk-invariant streaming of a codec's encoder and decoder: EnCodec's SEANet, and Mimi's (`codec/mimi/`).
 
-Each transformers layer is wrapped (sharing its weights) as a pure step `layer(x, state) -> (y, new_state)`
-(`codec/stream_layers.py`). `state=None` starts a stream: the layer pads its left edge exactly as transformers does.
-After that the state carries what the next chunk needs and nothing is recomputed: a convolution keeps its last
-`padding` inputs, a transposed convolution the overlap it has not emitted yet, the LSTM its (h, c). States are tuples
-of tensors whose first dimension is the batch row, so many conversations share one batched call (`gather_rows` /
-`scatter_rows`).
+Each layer is a step `layer(x, state) -> (y, new_state)` (`codec/stream_layers.py`), pure but for Mimi's
+transformers, which write their new keys and values into the state they are given (`_RowStates`). `state=None` starts
+a stream: the layer pads its left edge exactly as the offline model does. After that the state carries what the next
+chunk needs and nothing is recomputed: a convolution keeps its last `padding` inputs, a transposed convolution the
+overlap it has not emitted yet, EnCodec's LSTM its (h, c), Mimi's transformers their keys and values. States are
+tuples of tensors whose first dimension is the batch row, so many conversations share one batched call
+(`gather_rows` / `scatter_rows`).
 
-Transformers pads the left edge of every convolution by reflection, so the first frames of a stream depend on a few
-frames after them (6 frames at the latent rate, from the kernel-7 convolution there). `StreamingEncoder` therefore
-holds its first codes back until `warmup_frames` frames are in; `StreamingDecoder` emits at once and, until it has
-seen `warmup_frames` frames, decodes the row's short history from a fresh state each push, so that every sample it
-emits equals `decode()` of the codes known at that moment, and from frame `warmup_frames - 1` on equals `decode()` of
-the whole sequence.
+EnCodec (transformers) pads the left edge of every convolution by reflection, so the first frames of a stream depend
+on a few frames after them (6 frames at the latent rate, from the kernel-7 convolution there); Mimi pads with zeros,
+and looks ahead by nothing (`warmup_frames` 1). `StreamingEncoder` holds its first codes back until `warmup_frames`
+frames are in; `StreamingDecoder` emits at once and, until it has seen `warmup_frames` frames, decodes the row's
+short history from a fresh state each push, so that every sample it emits equals `decode()` of the codes known at
+that moment, and from frame `warmup_frames - 1` on equals `decode()` of the whole sequence.
 
 Equal up to rounding, not bitwise: a row's convolutions (oneDNN) and LSTM matmuls sum in orders that depend on how
 many rows and frames share the call. Measured: encoder latents and decoder PCM differ by ~2e-7 between one push and
@@ -31,19 +32,19 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from codec.stream_layers import State, StreamingNet
+from codec.stream_layers import State, Step
 
 
 class StreamingCodec(Protocol):
-    """What streaming takes of a tokenizer (`codec.tokenizer.EncodecTokenizer`): its nets as layer steps, its
-    quantizer, and its input checks."""
+    """What streaming takes of a tokenizer (`codec.tokenizer.EncodecTokenizer`, `codec.mimi.MimiTokenizer`): its nets
+    as steps (`net(x, state) -> (y, new_state)`, chunks of whole frames), its quantizer, and its input checks."""
 
     frame_size: int
     num_codebooks: int
     encoder_warmup_frames: int  # frames the encoder's left edge looks ahead
     decoder_warmup_frames: int  # ... and the decoder's
-    encoder_net: StreamingNet
-    decoder_net: StreamingNet
+    encoder_net: Step
+    decoder_net: Step
 
     @property
     def device(self) -> torch.device: ...
@@ -79,8 +80,29 @@ def empty_like_rows(state: State, rows: int) -> State:
     return tuple(empty_like_rows(s, rows) for s in state)
 
 
+def narrow_rows(state: State, start: int, length: int) -> State:
+    """Rows `start ... start + length - 1` of `state`, as views."""
+    if isinstance(state, torch.Tensor):
+        return state.narrow(0, start, length)
+    return tuple(narrow_rows(s, start, length) for s in state)
+
+
+def copy_rows(dst: State, src: State) -> None:
+    """`dst[...] = src`, leaf by leaf, but for a leaf that already is `dst`'s memory (a step updated it in place)."""
+    if isinstance(dst, torch.Tensor):
+        if src.data_ptr() != dst.data_ptr() or src.stride() != dst.stride():
+            dst.copy_(src)
+        return
+    for d, s in zip(dst, src, strict=True):
+        copy_rows(d, s)
+
+
 class _RowStates:
-    """The carried state of `batch_size` rows, allocated on first use (its shapes come from the first run)."""
+    """The carried state of `batch_size` rows, allocated on first use (its shapes come from the first run).
+
+    Consecutive rows (the usual push: all of them) are handed to the step as views of the state, which a step may
+    update in place (Mimi's transformers write their new keys and values into their cache); other rows are gathered
+    into a copy and scattered back."""
 
     def __init__(self, batch_size: int):
         self.batch_size = batch_size
@@ -88,6 +110,8 @@ class _RowStates:
 
     def get(self, rows: list[int], device: torch.device) -> State:
         assert self.state is not None
+        if _consecutive(rows):
+            return narrow_rows(self.state, rows[0], len(rows))
         return gather_rows(self.state, torch.tensor(rows, device=device))
 
     def use(self, buffer: State) -> None:
@@ -99,7 +123,14 @@ class _RowStates:
     def put(self, rows: list[int], new: State, device: torch.device) -> None:
         if self.state is None:
             self.state = empty_like_rows(new, self.batch_size)
-        scatter_rows(self.state, torch.tensor(rows, device=device), new)
+        if _consecutive(rows):
+            copy_rows(narrow_rows(self.state, rows[0], len(rows)), new)
+        else:
+            scatter_rows(self.state, torch.tensor(rows, device=device), new)
+
+
+def _consecutive(rows: list[int]) -> bool:
+    return rows == list(range(rows[0], rows[0] + len(rows)))
 
 
 def _check_rows(rows: Sequence[int] | None, n: int, batch_size: int) -> list[int]:

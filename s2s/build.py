@@ -43,20 +43,23 @@ def load_prompts(folder: str | Path, tok: EncodecTokenizer) -> dict[str, np.ndar
     return voices
 
 
+def load_codec(codec: Path | None, bandwidth: float = 1.5, device: torch.device | None = None) -> EncodecTokenizer:
+    """The codec of `codec` (a folder; None: seeded): its frame size is the engine's (`EngineConfig.frame_size`)."""
+    return EncodecTokenizer.from_pretrained(codec, bandwidth=bandwidth, device=device or torch.device("cpu"))
+
+
 def build_engine(
     config: EngineConfig,
+    tok: EncodecTokenizer,
     model: Path | None = None,
-    codec: Path | None = None,
     preset: str | None = None,
-    bandwidth: float = 1.5,
     prompts: Path | None = None,
     device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,
-) -> tuple[Engine, EncodecTokenizer]:
-    """The engine over `model` (a folder; None: `preset`'s seeded weights, `small` by default) and `codec` (a folder;
-    None: seeded), with the voice prompts of the `prompts` folder registered, and its codec."""
+) -> Engine:
+    """The engine over `model` (a folder; None: `preset`'s seeded weights, `small` by default) and the codec `tok`
+    (`load_codec`), with the voice prompts of the `prompts` folder registered."""
     device = device or torch.device("cpu")
-    tok = EncodecTokenizer.from_pretrained(codec, bandwidth=bandwidth, device=device)
     if model:
         s2s_model = S2SModel.from_pretrained(model, dtype=dtype, device=device)
     else:
@@ -65,4 +68,4 @@ def build_engine(
     engine = Engine(s2s_model, tok, config)
     for name, codes in (load_prompts(prompts, tok) if prompts else {}).items():
         engine.add_voice(name, codes)
-    return engine, tok
+    return engine

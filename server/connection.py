@@ -45,7 +45,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 from websockets.protocol import State
 
-from codec.pcm import FRAME_SIZE, SAMPLE_RATE
+from codec.pcm import SAMPLE_RATE
 from s2s import Refused
 from server.moshi.protocol import BLOCK, ProtocolError, StreamError
 from server.protocols import Audio, EndTurn, Message, Request, Session, Stream, Wire
@@ -78,15 +78,16 @@ class Limits:
     def __post_init__(self) -> None:
         if not self.idle_timeout_s > 0:
             raise ValueError(f"idle timeout must be over 0 s, got {self.idle_timeout_s}")
-        if not self.max_unread_s * SAMPLE_RATE >= FRAME_SIZE:  # (a bound of no frame would drop every client)
-            raise ValueError(f"unread audio must be allowed a frame (0.0133 s) or more, got {self.max_unread_s}")
+        if not self.max_unread_s > 0:  # (at least a frame of the engine's codec: `engine_session.events`)
+            raise ValueError(f"unread audio must be allowed over 0 s, got {self.max_unread_s}")
         if (n := self.max_conversations_per_client) < 0:
             raise ValueError(f"conversations per client must be 0 (no limit) or more, got {n}")
 
 
 class Playback:
-    """What the client has heard of the current reply, to tell the engine at barge-in. The client plays audio in
-    real time from when it arrives; a gap in the stream (a reply that stalls) pauses its playback, and is not heard."""
+    """What the client has heard of the current reply, in samples, to tell the engine at barge-in (the session counts
+    them in its codec's frames). The client plays audio in real time from when it arrives; a gap in the stream (a
+    reply that stalls) pauses its playback, and is not heard."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
@@ -99,10 +100,10 @@ class Playback:
         self.samples += samples
         self.until = max(self.until, now) + samples / SAMPLE_RATE
 
-    def played_frames(self) -> int:
-        """Frames of the current reply the client can have played by now."""
+    def played_samples(self) -> int:
+        """Samples of the current reply the client can have played by now."""
         queued = max(0.0, self.until - self.clock()) * SAMPLE_RATE
-        return int(max(0.0, self.samples - queued)) // FRAME_SIZE
+        return int(max(0.0, self.samples - queued))
 
 
 class Connection:
@@ -323,7 +324,7 @@ async def _receive(conn: Connection, session: Session, limits: Limits) -> Stream
                     vad.configure(session.vad)
                 heard = await asyncio.to_thread(vad.push, pcm) if vad is not None else []
                 if "speech_start" in heard:  # a barge-in if a reply is playing (a no-op otherwise), before this audio
-                    await session.barge_in(conn.playback.played_frames())
+                    await session.barge_in(conn.playback.played_samples())
                 elif "take_back" in heard:  # the user only paused: the reply to that turn is cancelled unheard
                     await session.barge_in(0)
                 session.audio(pcm)

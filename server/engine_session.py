@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from websockets.exceptions import ConnectionClosed
 
-from codec.pcm import FRAME_SIZE, SAMPLE_RATE
+from codec.pcm import SAMPLE_RATE
 from s2s import AudioEvent, MetaEvent, SamplingParams
 from server.connection import Connection
 from server.turn_metrics import TurnMetrics
@@ -63,9 +63,9 @@ async def events(q: EventQueue, conn: Connection) -> AsyncIterator[AudioEvent | 
     """A conversation's events until it is closed, read for `conn`'s client. The engine thread wakes the reader
     through `on_put` (`LoopWaker`): no polling, and no thread per read. One reader at a time.
 
-    When the queue overflows (more than `Limits.max_unread_s` of replies wait: the client reads slower than the
-    conversation speaks), the client is told and closed at once, even while the reader waits on a send to it; the
-    connection's end then closes the conversation."""
+    When the queue overflows (more than `Limits.max_unread_s` of replies wait, and at least a frame: the client
+    reads slower than the conversation speaks), the client is told and closed at once, even while the reader waits on
+    a send to it; the connection's end then closes the conversation."""
     loop, ready = asyncio.get_running_loop(), asyncio.Event()
     waker = _wakers.setdefault(loop, LoopWaker(loop))
 
@@ -78,7 +78,7 @@ async def events(q: EventQueue, conn: Connection) -> AsyncIterator[AudioEvent | 
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(drop)
 
-    q.max_frames = round(conn.limits.max_unread_s * SAMPLE_RATE / FRAME_SIZE)
+    q.max_frames = max(1, round(conn.limits.max_unread_s * SAMPLE_RATE / q.frame_size))
     q.on_put, q.on_overflow = functools.partial(waker.set, ready), overflowed
     while True:
         try:
@@ -120,8 +120,8 @@ class EngineSession:
         cid = engine.open(mode, prompt=voice, sampling=sampling)
         return cls(engine, cid, mode, vad, gate, conn, metrics)
 
-    async def barge_in(self, played_frames: int) -> None:
-        self.engine.interrupt(self.cid, played_frames)
+    async def barge_in(self, played_samples: int) -> None:
+        self.engine.interrupt(self.cid, played_samples // self.engine.cfg.frame_size)
 
     def audio(self, pcm: np.ndarray) -> None:
         self.engine.push_audio(self.cid, pcm)

@@ -67,8 +67,9 @@ class Session(Protocol):
     vad: VadConfig | None  # endpointing on its audio (turn mode), or None; read before each slice of audio
     gate: Gate | None  # where its endpointer's turn ends go (the server's `TurnGate`), or None: all are answered
 
-    async def barge_in(self, played_frames: int) -> None:
-        """The VAD heard speech start: a barge-in where a reply plays (what the client heard of it stays)."""
+    async def barge_in(self, played_samples: int) -> None:
+        """The VAD heard speech start: a barge-in where a reply plays (what the client heard of it, `played_samples`,
+        stays)."""
 
     def audio(self, pcm: np.ndarray) -> None: ...
 

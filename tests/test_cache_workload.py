@@ -77,7 +77,7 @@ def run(mode: str, usable: int):
     for i, (prompt, turns) in enumerate(sessions):
         if len(open_sessions) == 4:
             close(kv, open_sessions.pop(0))
-        s = Session(f"s{i}", "turn", CFG, SamplingParams(seed=0), row=i, now=0.0, bound=BOUND)
+        s = Session(f"s{i}", "turn", CFG, SamplingParams(seed=0), row=i, now=0.0, frame_size=320, bound=BOUND)
         s.set_prompt(prompt)
         while True:
             try:

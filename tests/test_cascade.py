@@ -34,7 +34,7 @@ def tiny_engines(**text_config) -> tuple[Engine, Engine]:
     tok = EncodecTokenizer.from_pretrained(seed=0)
     cfg = EngineConfig(calibration_ticks=0, max_conversations=2, max_reply_frames=75, frames_per_tick=4)
     speech_engine = Engine(S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0), tok, cfg)
-    return text_engine_for("tiny", 75, 2, calibration_ticks=0, **text_config), speech_engine
+    return text_engine_for("tiny", 1.0, 2, calibration_ticks=0, **text_config), speech_engine
 
 
 def test_phrases_and_printable_bytes() -> None:

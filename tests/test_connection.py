@@ -36,19 +36,19 @@ class Clock:
 def test_playback_does_not_count_a_stalled_reply_as_heard() -> None:
     clock = Clock()
     playback = Playback(clock)
-    assert playback.played_frames() == 0
+    assert playback.played_samples() // 320 == 0
     playback.sent(0, 10 * 320)
     clock.now += 2.0  # the reply stalls: the client played its 10 frames, then heard nothing
     playback.sent(0, 20 * 320)
-    assert playback.played_frames() == 10  # not 30: the stall was not playback
+    assert playback.played_samples() // 320 == 10  # not 30: the stall was not playback
     clock.now += 0.1
-    assert playback.played_frames() == 17  # 7.5 more frames of real time
+    assert playback.played_samples() // 320 == 17  # 7.5 more frames of real time
     clock.now += 10
-    assert playback.played_frames() == 30  # never more than was sent
+    assert playback.played_samples() // 320 == 30  # never more than was sent
     playback.sent(1, 320)  # the next reply counts from its own start
-    assert playback.played_frames() == 0
+    assert playback.played_samples() // 320 == 0
     clock.now += 1
-    assert playback.played_frames() == 1
+    assert playback.played_samples() // 320 == 1
 
 
 class Recorder:
@@ -59,7 +59,7 @@ class Recorder:
         self.pcm: list[np.ndarray] = []
         self.calls: list[str] = []
 
-    async def barge_in(self, played_frames: int) -> None:
+    async def barge_in(self, played_samples: int) -> None:
         self.calls.append("barge_in")
 
     def audio(self, pcm: np.ndarray) -> None:
@@ -158,7 +158,7 @@ class NoThreads(concurrent.futures.ThreadPoolExecutor):
 
 
 def test_events_wake_the_reader_from_the_engine_thread_without_a_thread_per_read() -> None:
-    q = EventQueue()
+    q = EventQueue(320)
     sent = [MetaEvent("s0", 0, {"n": i}) for i in range(50)]
 
     def engine_thread() -> None:
@@ -191,7 +191,7 @@ def test_a_conversation_s_unread_replies_are_bounded_by_the_connection_s_limit()
         dropped.append(code)
 
     async def main() -> None:
-        q = EventQueue()
+        q = EventQueue(320)
         reader = asyncio.ensure_future(anext(events(q, SimpleNamespace(limits=Limits(max_unread_s=2.0), drop=drop))))
         await asyncio.sleep(0)  # the reader waits on the empty queue: the bound is set
         for _ in range(112):  # at once, between two runs of the loop: nothing is read meanwhile
@@ -211,7 +211,7 @@ def test_a_tick_s_events_for_many_readers_wake_the_loop_once_not_once_each() -> 
     """The engine thread fans a tick's events out to every conversation: each reader gets its own, in order, and
     the loop is woken through its self pipe once for the burst, not once per event (at hundreds of conversations,
     one write, read and loop iteration each)."""
-    queues = [EventQueue() for _ in range(64)]
+    queues = [EventQueue(320) for _ in range(64)]
     wakes = 0
 
     def tick(t: int) -> None:
@@ -252,7 +252,7 @@ def test_a_closed_loop_is_not_kept_alive_by_its_waker() -> None:
     from server.engine_session import _wakers
 
     async def read_one() -> list:
-        q = EventQueue()
+        q = EventQueue(320)
         q.put(MetaEvent("s0", 0, {}))
         q.put(None)
         return [event async for event in events(q, NO_CLIENT)]

@@ -13,12 +13,13 @@ from clocks import CallClock, SimClock
 from tests_support import wait_until
 
 from codec import EncodecTokenizer
-from codec.pcm import FRAME_S
+from codec.pcm import SAMPLE_RATE
 from s2s import ModelConfig, S2SModel, SamplingParams
 from s2s.engine.engine import AudioEvent, Engine, EngineConfig, MetaEvent, Refused
 from s2s.engine.turns import Phase
 
 GREEDY = SamplingParams(temperature=0)
+FRAME_S = EncodecTokenizer.frame_size / SAMPLE_RATE  # a frame of the tests' codec
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from s2s.engine.events import NO_TIMES, AudioEvent, CodesEvent, EventQueue, Meta
 
 
 def test_a_blocked_reader_wakes_for_every_put_of_a_lock_free_writer() -> None:
-    q, n, got = EventQueue(), 20_000, []
+    q, n, got = EventQueue(320), 20_000, []
     q.max_frames = 10**9  # (this test is about wake-ups, not the bound)
     codes = np.zeros((2, 3), dtype=np.int64)
 
@@ -35,7 +35,7 @@ def test_a_blocked_reader_wakes_for_every_put_of_a_lock_free_writer() -> None:
 
 
 def test_dropping_a_turn_s_audio_keeps_the_count_of_what_is_left() -> None:
-    q = EventQueue()
+    q = EventQueue(320)
     for turn in (0, 1, 0, 1):
         q.put(CodesEvent("s0", turn, 0, np.zeros((2, 5), dtype=np.int64)))
     assert q.get_nowait().turn == 0 and q.frames == 15

@@ -125,7 +125,7 @@ def test_cascade_errors_name_the_setting_and_never_an_exception() -> None:
     tok = EncodecTokenizer.from_pretrained(seed=0)
     cfg = EngineConfig(calibration_ticks=0, max_conversations=2, max_reply_frames=75, frames_per_tick=4)
     speech_engine = Engine(S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0), tok, cfg)
-    text_engine = text_engine_for("tiny", 75, 2, calibration_ticks=0)
+    text_engine = text_engine_for("tiny", 1.0, 2, calibration_ticks=0)
     wav, _ = spoken("What is the weather like tomorrow?")
 
     async def run():
@@ -171,7 +171,7 @@ def test_the_server_header_carries_no_versions(parts) -> None:
 
 
 def test_the_event_queue_drops_past_its_bound_and_never_blocks() -> None:
-    q, overflows = EventQueue(), []
+    q, overflows = EventQueue(320), []
     q.on_overflow = lambda: overflows.append(True)
     second = AudioEvent("c", 0, 0, np.zeros(320 * 75, np.float32))  # a second of audio
     for _ in range(EventQueue.max_frames // 75 + 5):

@@ -27,7 +27,7 @@ def test_arrivals_are_seeded_and_start_at_zero() -> None:
     clips = [np.zeros(24000, dtype=np.float32)]
     a, b = Workload(QUICK, clips, seed=3), Workload(QUICK, clips, seed=3)
     assert np.array_equal(a.arrivals, b.arrivals) and a.arrivals[0] == 0 and np.all(np.diff(a.arrivals) > 0)
-    assert pressure_working_set(a) > 0
+    assert pressure_working_set(a, frame_size=320) > 0
 
 
 def _rounds(samples: list[list[float]]) -> list[SimpleNamespace]:

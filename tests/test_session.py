@@ -32,7 +32,7 @@ def by_steps(conv: Session, start: int, limit: int) -> list[np.ndarray]:
 )
 def test_step_views_agree_with_step_token(delays, user_frames, model_frames, hole, computed, limit) -> None:
     cfg = ModelConfig.preset("tiny", num_codebooks=len(delays), delays=delays)
-    conv = Session("c", "turn", cfg, SamplingParams(), 0, 0.0)
+    conv = Session("c", "turn", cfg, SamplingParams(), 0, 0.0, frame_size=320)
     conv._ensure(max(user_frames, model_frames) + 1)
     rng = np.random.default_rng(user_frames * 100 + model_frames)
     conv.user[:user_frames] = rng.integers(0, cfg.codebook_size, size=(user_frames, len(delays)))
@@ -66,7 +66,7 @@ def test_recent_tokens_read_what_the_frames_hold(delays, known, keep, forget_to,
     """The quick read of recent steps (`recent_tokens`) equals the streams' general read (`gather`),
     however they have grown and forgotten their middle; a step before the recent frames raises."""
     cfg = ModelConfig.preset("tiny", num_codebooks=len(delays), delays=delays)
-    conv = Session("c", "duplex", cfg, SamplingParams(), 0, 0.0)
+    conv = Session("c", "duplex", cfg, SamplingParams(), 0, 0.0, frame_size=320)
     conv._ensure(known + 1)
     rng = np.random.default_rng(known)
     conv.user[:known] = rng.integers(0, cfg.codebook_size, size=(known, len(delays)))

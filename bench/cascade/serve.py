@@ -28,7 +28,7 @@ async def _serve(args: argparse.Namespace) -> None:
     device, dtype = placement_of(args)
     text = text_engine_for(
         args.preset,
-        args.max_reply_frames,
+        args.max_reply_frames * speech.cfg.frame_s,
         args.max_conversations,
         device,
         dtype,

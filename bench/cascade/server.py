@@ -11,13 +11,13 @@ message sent right after the first reply audio:
   endpoint only its final search is left. Accuracy on espeak-ng voices is poor; what is measured is latency;
 - text decoder: `S2SModel` with one codebook of 256 bytes, the speech model's size, served by a codec-free `Engine`
   (`bench/cascade/text.py`); the transcript goes in as the user stream, the reply streams out token by token
-  (`--max-reply-frames` / 5 bytes: about 15 characters a second of speech). Random weights give random bytes: each
-  becomes a letter, or a space one time in six (words of about five letters);
+  (15 bytes a second of `--max-reply-frames`' speech: about 15 characters a second). Random weights give random
+  bytes: each becomes a letter, or a space one time in six (words of about five letters);
 - phrase aggregation, pipecat-style: the first phrase goes to speech at the first word boundary, later ones at the
   first word boundary after `PHRASE_CHARS` characters, the rest when the reply ends;
 - text-to-speech (`tts=espeak|engine`): espeak-ng, or the speech `S2SModel` served by a second `Engine` with the
   codec, the phrase's bytes as its user stream (both codebooks), generating codes turned into audio by the streaming
-  decoder; once it has made `FRAMES_PER_CHAR` frames a character, the reply is cut (`interrupt`).
+  decoder; once it has made a character's frames (`CHARS_PER_S`), the reply is cut (`interrupt`).
 
 Admission: a connection is refused when speech-to-text could not take another stream in real time
 (`SttWorkers.open`: after the upgrade, 1013) or when the speech engine would refuse it (`ChatServer.busy`: 503
@@ -39,7 +39,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import ConnectionClosed
 
 from bench.cascade.stt import AtCapacity, SttStream, SttWorkers, default_workers
-from bench.cascade.text import FRAMES_PER_CHAR, PHRASE_CHARS, printable, split_phrase
+from bench.cascade.text import CHARS_PER_S, PHRASE_CHARS, printable, split_phrase
 from codec.pcm import load_wav
 from s2s import AudioEvent, Engine, MetaEvent, Refused, SamplingParams
 from s2s.engine.engine import CodesEvent
@@ -164,7 +164,7 @@ class CascadeSession:
             raise
         return cls(server, conn, tts, opened, stt, vad)
 
-    async def barge_in(self, played_frames: int) -> None:
+    async def barge_in(self, played_samples: int) -> None:
         pass  # the cascade's replies play out
 
     def audio(self, pcm: np.ndarray) -> None:
@@ -282,21 +282,22 @@ class CascadeSession:
         yield await asyncio.to_thread(synthesize, phrase)
 
     async def _engine_tts(self, phrase: str) -> AsyncIterator[np.ndarray]:
-        """The phrase's bytes as the speech model's user stream (every codebook), a turn reply `FRAMES_PER_CHAR`
-        frames a character long."""
+        """The phrase's bytes as the speech model's user stream (every codebook), a turn reply a character's
+        frames (`CHARS_PER_S`) a character long."""
         engine, cid = self.server.engine, self.speech_cid
         codes = np.frombuffer(phrase.encode(), dtype=np.uint8).astype(np.int64)
         engine.push_codes(cid, np.repeat(codes[None], engine.model.config.num_codebooks, axis=0))
         engine.end_turn(cid)
-        target, got, turn = max(1, round(len(phrase) * FRAMES_PER_CHAR)), 0, None
+        frame_size = engine.cfg.frame_size
+        target, got, turn = max(1, round(len(phrase) / CHARS_PER_S / engine.cfg.frame_s)), 0, None
         async for event in events(engine.event_queue(cid), self.conn):
             if event.turn <= self.speech_turn:
                 continue  # a turn already over (a late reply_done)
             turn = event.turn
             if isinstance(event, AudioEvent):
-                take = min(len(event.pcm) // 320, target - got)
+                take = min(len(event.pcm) // frame_size, target - got)
                 got += take
-                yield event.pcm[: take * 320]
+                yield event.pcm[: take * frame_size]
                 if got >= target:
                     engine.interrupt(cid, target)
                     break

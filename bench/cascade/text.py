@@ -8,8 +8,7 @@ import torch
 
 from s2s import Engine, EngineConfig, ModelConfig, S2SModel
 
-CHARS_PER_S = 15.0
-FRAMES_PER_CHAR = 75 / CHARS_PER_S
+CHARS_PER_S = 15.0  # speech: a reply's bytes last this long each, in the speech engine's frames
 PHRASE_CHARS = 20
 LETTERS = "etaoinshrdlucmfwypvbgkjqxz"
 
@@ -28,18 +27,18 @@ def split_phrase(text: str, min_chars: int) -> tuple[str, str] | None:
 
 def text_engine_for(
     preset: str,
-    reply_frames: int,
+    reply_s: float,
     max_conversations: int,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     **config,
 ) -> Engine:
     """The cascade's text decoder: the speech model's size and class, one codebook of bytes, no codec, replies as
-    long in speech as `reply_frames` speech frames, on the speech model's device and dtype. One step a tick
-    (13.3 ms): its earliest first token."""
+    long in speech as `reply_s` seconds, on the speech model's device and dtype. One step a tick (a codec-free
+    engine's frame, 13.3 ms): its earliest first token."""
     cfg = ModelConfig.preset(preset, num_codebooks=1, codebook_size=256)
     model = S2SModel.from_seed(cfg, seed=0, dtype=dtype, device=device)
-    reply_bytes = max(1, round(reply_frames / FRAMES_PER_CHAR))
+    reply_bytes = max(1, round(reply_s * CHARS_PER_S))
     engine_cfg = EngineConfig(
         frames_per_tick=1, max_reply_frames=reply_bytes, max_conversations=max_conversations, **config
     )

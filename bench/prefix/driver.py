@@ -80,8 +80,9 @@ class Driver:
             while not q.empty():
                 event = q.get()
                 if isinstance(event, AudioEvent):
-                    self.frames_out += len(event.pcm) // 320
-                    self.heard[cid] = self.heard.get(cid, 0) + len(event.pcm) // 320
+                    frames = len(event.pcm) // self.engine.cfg.frame_size
+                    self.frames_out += frames
+                    self.heard[cid] = self.heard.get(cid, 0) + frames
                     if cid in self.expecting:
                         end, label = self.expecting.pop(cid)
                         t = event.times

@@ -197,10 +197,11 @@ def pressure_scripts(d: Driver, w: Workload, phase: dict) -> list[Script]:
     return longs + bursts
 
 
-def pressure_working_set(w: Workload) -> int:
-    """Pages every conversation of the pressure workload would hold at its longest, all at once."""
+def pressure_working_set(w: Workload, frame_size: int) -> int:
+    """Pages every conversation of the pressure workload would hold at its longest, all at once, in frames of
+    `frame_size` samples (the codec's)."""
     s, delay = w.scale, 2
-    clip_frames = [math.ceil(len(c) / 320) + delay for c in w.clips]
+    clip_frames = [math.ceil(len(c) / frame_size) + delay for c in w.clips]
     longs = [
         s.prompt_frames + sum(clip_frames[(i + t) % len(clip_frames)] + s.reply_frames for t in range(s.long_turns))
         for i in range(s.long_convs)

@@ -30,6 +30,7 @@ class AudioIO:
         user_frames: FrameRows,
         model_frames: FrameRows,
         codebook_size: int,
+        frame_s: float,
         jitter_buffer_s: float,
         stats: EngineStats,
         clock: Callable[[], float],
@@ -37,9 +38,10 @@ class AudioIO:
         graph_frames: int | None,
     ):
         """`user_frames`, `model_frames`: every live session's recent frames, which new user frames are written into
-        and the decoder reads; `batch_invariant`: the codec computes each row alone, a frame a call
-        (`codec/streaming.py`); `graph_frames`: a tick's frames: with the codec on a GPU, the decoder's steady pushes
-        of that many frames and the encoder's of up to twice as many replay from CUDA graphs (`CodecGraphs`)."""
+        and the decoder reads; `frame_s`: a frame's duration (what the deadlines count in); `batch_invariant`: the
+        codec computes each row alone, a frame a call (`codec/streaming.py`); `graph_frames`: a tick's frames: with
+        the codec on a GPU, the decoder's steady pushes of that many frames and the encoder's of up to twice as many
+        replay from CUDA graphs (`CodecGraphs`)."""
         self.encoder = tokenizer.streaming_encoder(rows, batch_invariant) if tokenizer else None
         self.decoder = tokenizer.streaming_decoder(rows, batch_invariant) if tokenizer else None
         if tokenizer is not None and graph_frames and tokenizer.device.type == "cuda" and not batch_invariant:
@@ -47,10 +49,11 @@ class AudioIO:
             self.encoder.use_graphs(encoder)
             self.decoder.use_graphs(decoder)
         self.user_frames, self.model_frames = user_frames, model_frames
-        self.codebook_size, self.jitter_buffer_s, self.stats, self.clock = codebook_size, jitter_buffer_s, stats, clock
+        self.codebook_size, self.stats, self.clock = codebook_size, stats, clock
+        self.frame_s, self.jitter_buffer_s = frame_s, jitter_buffer_s
         if tokenizer is not None:
-            silence = tokenizer.encode(np.zeros(320 * 16, dtype=np.float32))[0, :, -1]
-            self.silence_codes = silence.cpu().numpy()  # what EnCodec makes of digital silence
+            silence = tokenizer.encode(np.zeros(tokenizer.frame_size * 16, dtype=np.float32))[0, :, -1]
+            self.silence_codes = silence.cpu().numpy()  # what the codec makes of digital silence
 
     def reset(self, row: int) -> None:
         """A row's codec state back to the start of a stream (a new session, or a reply cut short)."""
@@ -200,7 +203,7 @@ class AudioIO:
         """How many of each one's `length` frames, from the `since[i]`-th after its voice prompt on, are sent after
         their deadline (counted from `arrived[i]`, when its user's first frame came in)."""
         frames = since + np.arange(length)[:, None]  # [length, n]: operations along the sessions
-        return (now > frame_deadline(arrived, frames, self.jitter_buffer_s)).sum(0)
+        return (now > frame_deadline(arrived, frames, self.frame_s, self.jitter_buffer_s)).sum(0)
 
 
 def _first_audio(turn: Turn, now: float) -> dict[str, float]:

@@ -41,7 +41,7 @@ def calibrate(engine: Calibrated) -> None:
     crossing)."""
     cfg = engine.cfg
     frames = cfg.frames_per_tick
-    silence = np.zeros(320 * frames, dtype=np.float32)
+    silence = np.zeros(cfg.frame_size * frames, dtype=np.float32)
     zeros = np.zeros((engine.model.config.num_codebooks, frames), dtype=np.int64)
     warmup, ticks = math.ceil(WARMUP_FRAMES / frames), cfg.calibration_ticks
     # the first pass measures nothing: twice the warm-up, so that its frames cross into a second page too

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from codec.pcm import FRAME_S, SAMPLE_RATE, checked_audio
+from codec.pcm import SAMPLE_RATE, checked_audio
 
 if TYPE_CHECKING:
     import torch
@@ -65,8 +65,8 @@ class Push(Command):
     def data(self) -> np.ndarray:
         raise NotImplementedError
 
-    @property
-    def seconds(self) -> float:
+    def seconds(self, frame_s: float) -> float:
+        """The input's duration, at `frame_s` a frame (the engine's)."""
         raise NotImplementedError
 
 
@@ -79,8 +79,7 @@ class PushAudio(Push):
     def data(self) -> np.ndarray:
         return self.pcm
 
-    @property
-    def seconds(self) -> float:
+    def seconds(self, frame_s: float) -> float:
         return len(self.pcm) / SAMPLE_RATE
 
     def checked(self, config: ModelConfig, has_codec: bool) -> PushAudio:
@@ -98,9 +97,8 @@ class PushCodes(Push):
     def data(self) -> np.ndarray:
         return self.codes
 
-    @property
-    def seconds(self) -> float:
-        return self.codes.shape[1] * FRAME_S
+    def seconds(self, frame_s: float) -> float:
+        return self.codes.shape[1] * frame_s
 
     def checked(self, config: ModelConfig, has_codec: bool) -> PushCodes:
         return replace(self, codes=config.checked_codes(self.codes, "codes"))

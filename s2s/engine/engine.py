@@ -26,7 +26,6 @@ import torch
 
 from cache import PagePool
 from codec import EncodecTokenizer
-from codec.pcm import FRAME_S
 from s2s.engine.audio_io import AudioIO
 from s2s.engine.calibration import calibrate
 from s2s.engine.commands import Calls, Close, Command, Push
@@ -51,7 +50,7 @@ from s2s.scheduling.scheduler import Admission, Scheduler
 
 log = logging.getLogger("s2s.engine")
 
-__all__ = ["FRAME_S", "AudioEvent", "CodesEvent", "Engine", "EngineConfig", "EngineSnapshot", "MetaEvent", "Refused"]
+__all__ = ["AudioEvent", "CodesEvent", "Engine", "EngineConfig", "EngineSnapshot", "MetaEvent", "Refused"]
 
 
 class Engine(Calls, CommandHandlers):
@@ -65,6 +64,8 @@ class Engine(Calls, CommandHandlers):
         config: EngineConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
+        """`config`: filled in with the codec's frame size (`EngineConfig.take_frame_size`), which the tick, the
+        deadlines and the audio follow."""
         self.model, self.tok, self.cfg, self.clock = model, tokenizer, config or EngineConfig(), clock
         mcfg, cfg = model.config, self.cfg
         if tokenizer is not None and mcfg.num_codebooks != tokenizer.num_codebooks:
@@ -72,6 +73,7 @@ class Engine(Calls, CommandHandlers):
                 f"model uses {mcfg.num_codebooks} codebooks but the codec {tokenizer.num_codebooks}: pick the "
                 "codec bandwidth that matches"
             )
+        cfg.take_frame_size(tokenizer.frame_size if tokenizer is not None else None)
         param = next(model.parameters())
         self.pool = PagePool(
             mcfg.num_hidden_layers,
@@ -98,6 +100,7 @@ class Engine(Calls, CommandHandlers):
             self.user_rows,
             self.model_rows,
             mcfg.codebook_size,
+            cfg.frame_s,
             cfg.jitter_buffer_s,
             self.stats,
             clock,
@@ -105,17 +108,19 @@ class Engine(Calls, CommandHandlers):
             cfg.frames_per_tick if cfg.cuda_graphs else None,
         )
         page_size = cfg.page_size if self.cache.shares_prefixes else None
-        self.scheduler = Scheduler(cfg.prefill_budget, cfg.background_budget, page_size)
+        self.scheduler = Scheduler(cfg.prefill_budget, cfg.background_budget, cfg.frame_s, page_size)
         lane_rounds = cfg.frames_per_tick if self.duplex_lane else 0
         self.lane = DuplexLane(mcfg.delays, self.bound, lane_rounds, self.user_rows, self.model_rows, self.kv.tables)
         self.rounds = Rounds(self.scheduler, self.lane, self.kv, cfg)
         self.cost = CostModel()
         self.admission = Admission(
-            self.cost, cfg.max_conversations, self.kv.capacity, cfg.frames_per_tick, cfg.admission_headroom
+            self.cost, cfg.max_conversations, self.kv.capacity, cfg.frames_per_tick, cfg.tick_s, cfg.admission_headroom
         )
         self.sessions: dict[str, Session] = {}  # live, in the order they opened: the engine thread's alone
         self.voices: dict[str, np.ndarray] = {}  # named voice prompts (codes [K, P])
-        self.registry = Registry(mcfg, self.admission, self.bound, cfg.max_conversations, self.stats, clock)
+        self.registry = Registry(
+            mcfg, self.admission, self.bound, cfg.max_conversations, cfg.frame_size, self.stats, clock
+        )
         self.resumable = Resumable(cfg.resumable_conversations, cfg.resumable_bytes, cfg.session_ttl_s, clock)
         self._commands: queue.SimpleQueue[tuple[object, Session]] = queue.SimpleQueue()  # (message, its session)
         self._thread: threading.Thread | None = None

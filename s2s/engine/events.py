@@ -11,8 +11,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-from codec.pcm import FRAME_SIZE
-
 
 class _NoTimes(Mapping[str, float]):
     """An empty mapping that cannot change (shared by every event made without times) and, unlike a
@@ -61,12 +59,6 @@ def made(kind: type[AudioEvent | CodesEvent], *fields: Iterable) -> Iterator[Aud
     return map(tuple.__new__, repeat(kind), zip(*fields, strict=True))
 
 
-def _frames(event: AudioEvent | CodesEvent | MetaEvent | None) -> int:
-    if isinstance(event, AudioEvent):
-        return len(event.pcm) // FRAME_SIZE
-    return event.codes.shape[-1] if isinstance(event, CodesEvent) else 0
-
-
 class EventQueue:
     """A conversation's events, ended by None. An asyncio reader sets `on_put` to wake itself instead of polling.
 
@@ -80,11 +72,13 @@ class EventQueue:
     lock only to wake a reader waiting in `get`, which looks at the queue again after it says it waits, or to empty
     the queue on an overflow."""
 
-    max_frames = 1500  # 20 s of audio: a turn reply of the default longest (750 frames), made at once, fits twice
+    max_frames = 1500  # a turn reply of the default longest (750 frames), made at once, fits twice
     on_put: Callable[[], None] | None = None
     on_overflow: Callable[[], None] | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, frame_size: int):
+        """`frame_size`: samples in a frame of its `AudioEvent`s (the engine's codec's)."""
+        self.frame_size = frame_size
         self.queue: collections.deque = collections.deque()
         self.mutex = threading.Lock()
         self._ready = threading.Condition(self.mutex)
@@ -97,7 +91,7 @@ class EventQueue:
         if item is not None:
             if self.overflowed:
                 return
-            self._frames_put += _frames(item) if frames is None else frames
+            self._frames_put += self.frames_of(item) if frames is None else frames
             if self._frames_put - self._frames_got > self.max_frames:
                 with self.mutex:
                     self.queue.clear()
@@ -111,6 +105,12 @@ class EventQueue:
                 self._ready.notify()
         if self.on_put is not None:
             self.on_put()
+
+    def frames_of(self, event: AudioEvent | CodesEvent | MetaEvent | None) -> int:
+        """The event's frames of output."""
+        if isinstance(event, AudioEvent):
+            return len(event.pcm) // self.frame_size
+        return event.codes.shape[-1] if isinstance(event, CodesEvent) else 0
 
     @property
     def frames(self) -> int:
@@ -129,7 +129,7 @@ class EventQueue:
             if not self.queue:
                 raise queue.Empty
             item = self.queue.popleft()
-            self._frames_got += _frames(item)
+            self._frames_got += self.frames_of(item)
             return item
 
     def get_nowait(self) -> AudioEvent | CodesEvent | MetaEvent | None:
@@ -148,4 +148,4 @@ class EventQueue:
             kept = [e for e in self.queue if not (isinstance(e, AudioEvent | CodesEvent) and e.turn == turn)]
             self.queue.clear()
             self.queue.extend(kept)
-            self._frames_put = self._frames_got + sum(map(_frames, kept))
+            self._frames_put = self._frames_got + sum(map(self.frames_of, kept))

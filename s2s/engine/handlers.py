@@ -117,7 +117,7 @@ class CommandHandlers:
     def _push(self, s: Session, c: Push) -> None:
         if self._live(s) and not s.paused:
             s.pending.append(c.data)
-            s.note_input(c.seconds, c.pushed_at)
+            s.note_input(c.seconds(self.cfg.frame_s), c.pushed_at)
 
     @handles(Pause)
     def _pause(self, s: Session, c: Pause) -> None:

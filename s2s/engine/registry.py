@@ -28,11 +28,13 @@ class Registry:
         admission: Admission,
         bound: ContextBound,
         rows: int,
+        frame_size: int,
         stats: EngineStats,
         clock: Callable[[], float],
     ):
+        """`frame_size`: samples a frame of the sessions' audio events."""
         self.model_config, self.admission, self.stats, self.clock = model_config, admission, stats, clock
-        self.bound = bound
+        self.bound, self.frame_size = bound, frame_size
         self._lock = threading.Lock()
         self._open: dict[str, Session] = {}
         self._free_rows = list(range(rows - 1, -1, -1))
@@ -49,7 +51,8 @@ class Registry:
                 self.stats.refused += 1
                 raise Refused(reason)
             cid = session_id or f"s{next(self._ids)}"
-            s = Session(cid, mode, self.model_config, sampling, self._free_rows[-1], self.clock(), self.bound)
+            row, now = self._free_rows[-1], self.clock()
+            s = Session(cid, mode, self.model_config, sampling, row, now, self.frame_size, self.bound)
             self._free_rows.pop()  # taken only once nothing more can fail
             self._open[cid] = s
             return s

@@ -88,13 +88,15 @@ class Session(StepTokens, TurnLifecycle):
         sampling: SamplingParams,
         row: int,
         now: float,
+        frame_size: int,
         bound: ContextBound | None = None,
     ):
-        """`bound`: what its steps attend to (`ContextBound`); None: everything before them."""
+        """`frame_size`: samples a frame of its audio events (the engine's codec's); `bound`: what its steps attend
+        to (`ContextBound`); None: everything before them."""
         if mode not in ("duplex", "turn"):
             raise ValueError(f"mode must be duplex or turn, got {mode!r}")
         self.id, self.mode, self.cfg, self.row, self.bound = cid, mode, cfg, row, bound
-        self.events = EventQueue()
+        self.events = EventQueue(frame_size)
         self.input_kind: str | None = None  # "audio" or "codes", fixed by the first push (checked by the caller)
         self.pending: list[np.ndarray] = []  # pushed PCM or codes, not yet encoded
         self.held: list[np.ndarray | None] = []  # turn mode: user frames heard while a reply plays, and commits

@@ -56,7 +56,7 @@ class CodecGraphs:
 
     @classmethod
     def encoder(cls, tok: EncodecTokenizer, rows: int, frames: list[int], capture: bool = True) -> CodecGraphs:
-        """PCM `[R, 1, n x 320]` to codes `[R, K, n]`, for each n of `frames`."""
+        """PCM `[R, 1, n x frame_size]` to codes `[R, K, n]`, for each n of `frames`."""
 
         def step(pcm: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
             latent, new_state = tok.encoder_net(pcm, state)
@@ -69,7 +69,7 @@ class CodecGraphs:
 
     @classmethod
     def decoder(cls, tok: EncodecTokenizer, rows: int, frames: list[int], capture: bool = True) -> CodecGraphs:
-        """Codes `[R, K, n]` to PCM `[R, 1, n x 320]`, for each n of `frames`."""
+        """Codes `[R, K, n]` to PCM `[R, 1, n x frame_size]`, for each n of `frames`."""
 
         def step(codes: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
             return tok.decoder_net(tok.dequantize(codes), state)

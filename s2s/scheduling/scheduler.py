@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from codec.pcm import FRAME_S
 from s2s.engine.metrics import CostModel
 from s2s.engine.session import Session
 from s2s.engine.turns import Phase
@@ -39,33 +38,36 @@ class Work:
     wanted: list[tuple[int, int]] | None = None  # a decode step's: what sampling its logits fills (`wanted_after(1)`)
 
 
-def frame_deadline(arrived: float | np.ndarray, frame: int | np.ndarray, jitter_buffer_s: float) -> float | np.ndarray:
+def frame_deadline(
+    arrived: float | np.ndarray, frame: int | np.ndarray, frame_s: float, jitter_buffer_s: float
+) -> float | np.ndarray:
     """When a duplex stream's model frame `frame` (counted from the end of its voice prompt) must be sent: its user
-    frame's arrival time, one frame later, plus the jitter buffer; `arrived`: when the user's first frame came in.
-    Scalars, or numpy arrays along sessions or frames alike."""
-    return arrived + (frame + 1) * FRAME_S + jitter_buffer_s
+    frame's arrival time, one frame (`frame_s`, the codec's) later, plus the jitter buffer; `arrived`: when the user's
+    first frame came in. Scalars, or numpy arrays along sessions or frames alike."""
+    return arrived + (frame + 1) * frame_s + jitter_buffer_s
 
 
 class Scheduler:
-    def __init__(self, prefill_budget: int, background_budget: int, page_size: int | None = None):
+    def __init__(self, prefill_budget: int, background_budget: int, frame_s: float, page_size: int | None = None):
+        """`frame_s`: a frame's duration (the codec's), which the deadlines count in."""
         if min(prefill_budget, background_budget) < 1:
             raise ValueError(
                 f"prefill_budget and background_budget must be >= 1, got {prefill_budget} and {background_budget}"
             )
         self.prefill_budget, self.background_budget, self.page_size = prefill_budget, background_budget, page_size
+        self.frame_s = frame_s
         self._waiting_since: dict[str, float] = {}
 
     def forget(self, cid: str) -> None:
         """A closed session waits no longer."""
         self._waiting_since.pop(cid, None)
 
-    @staticmethod
-    def deadline(s: Session) -> float:
+    def deadline(self, s: Session) -> float:
         """The deadline of the first frame the session's next step completes, less the jitter buffer (the same for
         every session: it does not change the order)."""
         if s.first_frame_at is None:
             return math.inf
-        return frame_deadline(s.first_frame_at, s.computed + 1 - s.cfg.max_delay - s.prompt_frames, 0.0)
+        return frame_deadline(s.first_frame_at, s.computed + 1 - s.cfg.max_delay - s.prompt_frames, self.frame_s, 0.0)
 
     def pick(self, sessions: Sequence[Session], now: float, prefill: bool = True) -> list[Work]:
         """This round's work; `prefill=False` for the extra rounds of a multi-frame tick (decode steps only)."""
@@ -161,11 +163,18 @@ class Admission:
     idle engine always admits one: nothing else would ever correct a pessimistic cost model."""
 
     def __init__(
-        self, cost: CostModel, max_sessions: int, kv_capacity: int | None, frames_per_tick: int, headroom: float
+        self,
+        cost: CostModel,
+        max_sessions: int,
+        kv_capacity: int | None,
+        frames_per_tick: int,
+        tick_s: float,
+        headroom: float,
     ):
-        """`kv_capacity`: sessions whose pages, reserved at open, fit the pool (naive mode), or None (no bound)."""
+        """`kv_capacity`: sessions whose pages, reserved at open, fit the pool (naive mode), or None (no bound);
+        `tick_s`: the `frames_per_tick` frames' duration, the budget a tick must fit."""
         self.cost, self.max_sessions, self.kv_capacity = cost, max_sessions, kv_capacity
-        self.frames_per_tick, self.headroom = frames_per_tick, headroom
+        self.frames_per_tick, self.tick_s, self.headroom = frames_per_tick, tick_s, headroom
 
     def problem(self, sessions: int, streams: int) -> str | None:
         """Why a session cannot be admitted beside `sessions` others, `streams` of them streaming, or None."""
@@ -180,7 +189,7 @@ class Admission:
             return None
         streams += 1
         predicted = self.cost.predict(self.frames_per_tick, streams * self.frames_per_tick)
-        budget = self.frames_per_tick * FRAME_S * self.headroom
+        budget = self.tick_s * self.headroom
         if predicted is not None and predicted > budget:
             return (
                 f"admitting another conversation would make a tick take {predicted * 1000:.1f} ms, over "

@@ -8,10 +8,10 @@ from pathlib import Path
 import torch
 
 from codec import EncodecTokenizer
-from codec.pcm import FRAME_S
+from codec.pcm import SAMPLE_RATE
 from s2s import Engine, EngineConfig, placement
-from s2s.build import build_engine, weight_folders
-from server.cli.options import default_threads
+from s2s.build import build_engine, load_codec, weight_folders
+from server.cli.options import DEFAULT_TICK_S, default_threads
 
 
 def weights_of(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
@@ -33,16 +33,18 @@ def engine_of(args: argparse.Namespace, frontends: int = 0) -> tuple[Engine, Enc
     torch.set_num_threads(args.threads or default_threads(frontends))
     device, dtype = placement_of(args)
     codec, model = weights_of(args)
+    tok = load_codec(codec, args.bandwidth, device)
+    frame_s = tok.frame_size / SAMPLE_RATE  # the options in seconds become the codec's frames
     config = EngineConfig(
         cache_mode=args.cache,
         max_conversations=args.max_conversations,
-        frames_per_tick=args.frames_per_tick,
+        frames_per_tick=args.frames_per_tick or max(1, round(DEFAULT_TICK_S / frame_s)),
         num_pages=args.kv_pages,
         max_reply_frames=args.max_reply_frames,
-        max_context=round(args.max_context_s / FRAME_S),
+        max_context=round(args.max_context_s / frame_s),
         admission_headroom=args.admission_headroom,
         jitter_buffer_s=args.jitter_buffer_ms / 1000 if args.jitter_buffer_ms else None,
         cuda_graphs=not args.enforce_eager,
         deterministic=args.deterministic,
     )
-    return build_engine(config, model, codec, args.preset, args.bandwidth, args.prompts, device, dtype)
+    return build_engine(config, tok, model, args.preset, args.prompts, device, dtype), tok

@@ -11,6 +11,11 @@ from server.app import ServerOptions, proxy_listener
 from server.connection import Limits
 from server.vad.endpointer import VadConfig
 
+# `--frames-per-tick 0`: the tick of this many seconds' frames, rounded, and at least one: 4 of EnCodec's 13.3 ms
+# frames (53 ms), 1 of Mimi's 80 ms. A tick of whole frames keeps near the latency it had at 4 EnCodec frames, where a
+# fixed count of 4 would be 320 ms at 80 ms frames.
+DEFAULT_TICK_S = 0.05
+
 
 def default_threads(frontends: int) -> int:
     """Torch's CPU threads for the engine: every core but the front ends' (in one process, but the event loop's).
@@ -36,7 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         "--admission-headroom", type=float, default=0.75, help="admit while a predicted tick stays under this share"
     )
     p.add_argument("--jitter-buffer-ms", type=float, default=0, help="duplex deadline slack (default: 80 ms + a tick)")
-    p.add_argument("--max-reply-frames", type=int, default=750, help="turn mode: longest reply (75 frames a second)")
+    p.add_argument(
+        "--max-reply-frames", type=int, default=750, help="turn mode: longest reply, in codec frames (EnCodec: 75 a s)"
+    )
     p.add_argument(
         "--max-context-s",
         type=float,
@@ -44,7 +51,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="seconds of recent conversation a step attends to, besides its voice prompt; older pages go back to "
         "the pool, so a conversation runs for as long as its user talks",
     )
-    p.add_argument("--frames-per-tick", type=int, default=4, help="duplex frames per engine tick (1 = 13.3 ms)")
+    p.add_argument(
+        "--frames-per-tick",
+        type=int,
+        default=0,
+        help="codec frames per engine tick (0: those closest to 50 ms, at least one: 4 of EnCodec's 13.3 ms frames, "
+        "1 of Mimi's 80 ms)",
+    )
     p.add_argument("--prompts", type=Path, default=None, help="folder of voice prompts (audio files)")
     p.add_argument(
         "--threads",

@@ -46,7 +46,7 @@ class EngineClient(Calls):
         self._loop: asyncio.AbstractEventLoop | None = None
         hello = self.query("hello")
         self.model = SimpleNamespace(config=hello["model_config"])
-        self.cfg = hello["engine_config"]
+        self.cfg = hello["engine_config"]  # with its codec's frame size, which this process cannot import
         self._has_codec, self._snapshot = hello["has_codec"], hello["snapshot"]
 
     # ---- the engine's interface --------------------------------------------------------------------------------
@@ -72,7 +72,7 @@ class EngineClient(Calls):
             prompt = self.model.config.checked_codes(prompt, "prompt codes")
         with self._lock:  # its queue is there before the loop can read its first events
             cid = self.query("open", mode, prompt, sampling or SamplingParams(), session_id, resume)
-            self._queues[cid], self._modes[cid] = EventQueue(), mode
+            self._queues[cid], self._modes[cid] = EventQueue(self.cfg.frame_size), mode
         return cid
 
     def admission_problem(self, count: bool = False) -> str | None:

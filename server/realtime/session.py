@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from websockets.exceptions import ConnectionClosed
 
-from codec.pcm import FRAME_SIZE, SAMPLE_RATE
+from codec.pcm import SAMPLE_RATE
 from s2s import AudioEvent, MetaEvent, Refused
 from server.connection import Connection
 from server.engine_session import events
@@ -57,6 +57,7 @@ class RealtimeSession:
         metrics: TurnMetrics,
     ):
         self.engine, self.conn, self.cid, self.model, self.metrics = engine, conn, cid, model, metrics
+        self.frame_size = engine.cfg.frame_size  # samples a frame of the engine's codec: what its edits count
         self.wire: RealtimeWire = conn.wire
         self.base_vad, self.gate, self.id = base_vad, gate, new_id("sess")
         self.items: dict[str, Item] = {}  # the conversation, in order
@@ -104,12 +105,12 @@ class RealtimeSession:
         self.buffer_samples += len(pcm)
         self.received += len(pcm)
 
-    async def barge_in(self, played_frames: int) -> None:
+    async def barge_in(self, played_samples: int) -> None:
         td = self.config.turn_detection
         start = max(0, ms(self.received) - td.prefix_padding_ms)
         await self._event("input_audio_buffer.speech_started", audio_start_ms=start, item_id=self.buffer_id)
         if td.interrupt_response:
-            await self._interrupt(played_frames, "turn_detected")
+            await self._interrupt(played_samples // self.frame_size, "turn_detected")
 
     async def end_turn(self) -> None:
         await self.speech_ended()
@@ -224,18 +225,18 @@ class RealtimeSession:
         resp = self.response
         if resp is None or event.get("response_id") not in (None, resp.id):
             raise ProtocolError("there is no response in progress to cancel", "response_cancel_not_active")
-        await self._finish_cut(resp.item.samples // FRAME_SIZE, "client_cancelled")  # what was sent stays
+        await self._finish_cut(resp.item.samples // self.frame_size, "client_cancelled")  # what was sent stays
 
     async def _clear_output(self, event: dict) -> None:
         """A barge-in the client tells: what it has played of the last reply stays, the rest goes."""
         response_id = self.response.id if self.response else None
-        await self._interrupt(self.conn.playback.played_frames(), "client_cancelled")
+        await self._interrupt(self.conn.playback.played_samples() // self.frame_size, "client_cancelled")
         await self._event("output_audio_buffer.cleared", response_id=response_id)
 
     async def _truncate(self, event: dict) -> None:
         item = self._item(event)
         end = truncation_end(item, event)
-        frames = end * SAMPLE_RATE // 1000 // FRAME_SIZE
+        frames = end * SAMPLE_RATE // 1000 // self.frame_size
         if self.response is not None and self.response.item is item:
             await self._finish_cut(frames, "client_cancelled")
         elif self.response is not None:
@@ -268,12 +269,12 @@ class RealtimeSession:
         """The response in progress is cut after what was played of it; with none, the last reply, while it may still
         be playing."""
         if self.response is not None:
-            return await self._finish_cut(min(played_frames, self.response.item.samples // FRAME_SIZE), reason)
+            return await self._finish_cut(min(played_frames, self.response.item.samples // self.frame_size), reason)
         last = next((i for i in reversed(self.items.values()) if i.role == "assistant"), None)
         playing = self.conn.playback.until > time.monotonic() and self.conn.playback.turn == getattr(last, "turn", None)
-        if last is not None and last.turn is not None and playing and played_frames * FRAME_SIZE < last.samples:
+        if last is not None and last.turn is not None and playing and played_frames * self.frame_size < last.samples:
             self.engine.remove(self.cid, last.turn, "reply", played_frames)
-            last.samples = played_frames * FRAME_SIZE
+            last.samples = played_frames * self.frame_size
             await self._event(
                 "conversation.item.truncated", item_id=last.id, content_index=0, audio_end_ms=ms(last.samples)
             )
@@ -285,7 +286,7 @@ class RealtimeSession:
             self.engine.interrupt(self.cid, frames)
         else:
             self.engine.remove(self.cid, turn, "reply", frames)
-        self.response.item.samples = min(self.response.item.samples, frames * FRAME_SIZE)
+        self.response.item.samples = min(self.response.item.samples, frames * self.frame_size)
         await self._finish("cancelled", reason)
 
     async def _finish(self, status: str, reason: str | None = None, error: dict | None = None) -> None:
