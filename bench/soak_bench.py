@@ -167,6 +167,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server (0: the server's default)")
     p.add_argument("--kv-pages", type=int, default=4096, help="the server's K/V pages")
     p.add_argument("--max-conversations", type=int, default=32, help="the server's --max-conversations")
+    p.add_argument(
+        "--admission-headroom",
+        type=float,
+        default=None,
+        help="the server's (with --max-conversations, a fixed capacity: churn's conversations opened, not refused)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the clients' plans")
     p.add_argument(
         "--churn-per-s", type=float, default=200.0, help="connections a second that open and close (0: none)"
@@ -210,6 +216,8 @@ def main() -> None:
         serve_args = ["--preset", args.preset, "--threads", str(args.threads), "--kv-pages", str(args.kv_pages)]
         serve_args += ["--max-conversations", str(args.max_conversations), "--frames-per-tick", "4"]
         serve_args += ["--max-reply-frames", "225", "--prompts", voices_dir, *device_server_args(args)]
+        if args.admission_headroom is not None:
+            serve_args += ["--admission-headroom", str(args.admission_headroom)]
         if server_has(PER_CLIENT_OPTION):
             serve_args += [PER_CLIENT_OPTION, "100000"]
         server = ServerProcess(*serve_args, timeout_s=600)

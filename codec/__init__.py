@@ -14,6 +14,8 @@ _HOMES = {
     "MimiTokenizer": "codec.mimi.tokenizer",
     "StreamingDecoder": "codec.streaming",
     "StreamingEncoder": "codec.streaming",
+    "Tokenizer": "codec.load",
+    "load_tokenizer": "codec.load",
 }
 
 __all__ = [
@@ -23,9 +25,12 @@ __all__ = [
     "MimiTokenizer",
     "StreamingDecoder",
     "StreamingEncoder",
+    "Tokenizer",
+    "load_tokenizer",
 ]
 
 if TYPE_CHECKING:
+    from codec.load import Tokenizer, load_tokenizer
     from codec.mimi.config import MimiConfig
     from codec.mimi.tokenizer import MimiTokenizer
     from codec.streaming import StreamingDecoder, StreamingEncoder

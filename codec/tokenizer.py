@@ -132,6 +132,13 @@ class EncodecTokenizer(CodecInputChecks):
                 torch.nn.utils.parametrizations.weight_norm(m)
         model.save_pretrained(path)
 
+    def describe(self) -> str:
+        """The codec in a line (`s2s roundtrip` prints it)."""
+        return (
+            f"EnCodec 24 kHz at {self.bandwidth:g} kbps, {self.num_codebooks} codebooks of {self.codebook_size}, "
+            f"{self.frame_size}-sample frames ({self.frame_rate:g} Hz)"
+        )
+
     def _codebooks_note(self) -> str:
         return f"the codec at {self.bandwidth} kbps"
 

@@ -1,5 +1,6 @@
-"""An engine built from folders: a model folder (or a seeded preset), a codec folder (or a seeded codec), and a folder
-of voice prompts. What `s2s serve`, `s2s demo` and the benchmarks serve; the shipped weights are the default."""
+"""An engine built from folders: a model folder (or a seeded preset), a codec (EnCodec's folder, Mimi's file or folder:
+`codec.load_tokenizer`; or a seeded EnCodec), and a folder of voice prompts. What `s2s serve`, `s2s demo` and the
+benchmarks serve; the shipped weights are the default."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from codec import EncodecTokenizer
+from codec import Tokenizer, load_tokenizer
 from codec.pcm import load_wav
 from s2s.engine.config import EngineConfig
 from s2s.engine.engine import Engine
@@ -22,13 +23,13 @@ AUDIO_SUFFIXES = {".wav", ".flac", ".ogg"}
 def weight_folders(
     model: Path | None, codec: Path | None, preset: str | None = None, random: bool = False
 ) -> tuple[Path | None, Path | None]:
-    """The codec and model folders to load: given ones, else the shipped ones; None for seeded random weights
+    """The codec and model paths to load: given ones, else the shipped ones; None for seeded random weights
     (`random`, or a `preset` without a model folder: benchmarks and tests keep their presets)."""
     random = random or (preset is not None and model is None)
     return codec or (None if random else shipped("codec")), model or (None if random else shipped("model"))
 
 
-def load_prompts(folder: str | Path, tok: EncodecTokenizer) -> dict[str, np.ndarray]:
+def load_prompts(folder: str | Path, tok: Tokenizer) -> dict[str, np.ndarray]:
     """name -> codes [K, P] for each audio file whose stem is a plain name (letters, digits, underscore)."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -43,14 +44,15 @@ def load_prompts(folder: str | Path, tok: EncodecTokenizer) -> dict[str, np.ndar
     return voices
 
 
-def load_codec(codec: Path | None, bandwidth: float = 1.5, device: torch.device | None = None) -> EncodecTokenizer:
-    """The codec of `codec` (a folder; None: seeded): its frame size is the engine's (`EngineConfig.frame_size`)."""
-    return EncodecTokenizer.from_pretrained(codec, bandwidth=bandwidth, device=device or torch.device("cpu"))
+def load_codec(codec: Path | None, bandwidth: float = 1.5, device: torch.device | None = None) -> Tokenizer:
+    """The codec at `codec` (`codec.load_tokenizer`: EnCodec's folder, Mimi's file or folder; None: a seeded
+    EnCodec; `bandwidth`: EnCodec's): its frame size is the engine's (`EngineConfig.frame_size`)."""
+    return load_tokenizer(codec, bandwidth=bandwidth, device=device or torch.device("cpu"))
 
 
 def build_engine(
     config: EngineConfig,
-    tok: EncodecTokenizer,
+    tok: Tokenizer,
     model: Path | None = None,
     preset: str | None = None,
     prompts: Path | None = None,
@@ -58,12 +60,13 @@ def build_engine(
     dtype: torch.dtype = torch.float32,
 ) -> Engine:
     """The engine over `model` (a folder; None: `preset`'s seeded weights, `small` by default) and the codec `tok`
-    (`load_codec`), with the voice prompts of the `prompts` folder registered."""
+    (`load_codec`), with the voice prompts of the `prompts` folder registered. A preset takes the codec's codebooks
+    (their count and size)."""
     device = device or torch.device("cpu")
     if model:
         s2s_model = S2SModel.from_pretrained(model, dtype=dtype, device=device)
     else:
-        shape = ModelConfig.preset(preset or "small", num_codebooks=tok.num_codebooks)
+        shape = ModelConfig.preset(preset or "small", num_codebooks=tok.num_codebooks, codebook_size=tok.codebook_size)
         s2s_model = S2SModel.from_seed(shape, seed=0, dtype=dtype, device=device)
     engine = Engine(s2s_model, tok, config)
     for name, codes in (load_prompts(prompts, tok) if prompts else {}).items():

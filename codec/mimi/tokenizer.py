@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -69,8 +70,8 @@ class MimiTokenizer(CodecInputChecks):
         num_codebooks: int = 8,
         device: str | torch.device = "cpu",
     ) -> MimiTokenizer:
-        """Load Kyutai's Mimi safetensors file (with its config JSON or dict, or Kyutai's defaults without one), or a
-        folder transformers' `MimiModel.save_pretrained` wrote."""
+        """Load Kyutai's Mimi safetensors file (with its config JSON or dict, else `NAME.json` beside
+        `NAME.safetensors`, else Kyutai's defaults), or a folder transformers' `MimiModel.save_pretrained` wrote."""
         cfg, source = read_checkpoint(path, config)
         with torch.device("meta"):
             model = MimiModel(cfg)
@@ -96,12 +97,21 @@ class MimiTokenizer(CodecInputChecks):
         return cls(model, num_codebooks)
 
     def save_pretrained(self, path: str | Path) -> None:
-        """Write the weights as Kyutai's safetensors file (which `moshi.models.loaders.get_mimi` loads, with
-        `self.config.to_kyutai()` as its config, and `from_pretrained` here)."""
+        """Write the weights as Kyutai's safetensors file `NAME.safetensors` and its Kyutai config beside it as
+        `NAME.json` (`moshi.models.loaders.get_mimi` loads both, and `from_pretrained` here the file alone)."""
+        path = Path(path)
         state = {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
         for name in [k for k in state if k.endswith("._codebook.cluster_usage")]:
             state[name.replace("cluster_usage", "_initialized")] = torch.ones(1)
         save_file(state, str(path))
+        path.with_suffix(".json").write_text(json.dumps(self.config.to_kyutai(), indent=2))
+
+    def describe(self) -> str:
+        """The codec in a line (`s2s roundtrip` prints it)."""
+        return (
+            f"Mimi, {self.num_codebooks} of {self.total_codebooks} codebooks of {self.codebook_size}, "
+            f"{self.frame_size}-sample frames ({self.frame_rate:g} Hz)"
+        )
 
     # ---- offline paths ------------------------------------------------------------------------------------------
 

@@ -1,8 +1,8 @@
 """Reading Mimi's weights: Kyutai's safetensors file (the names of Kyutai's `MimiModel.state_dict()`, or the older
-ones its load hooks still accept) with an optional Kyutai config JSON, or a folder transformers' `MimiModel`
-saved (config.json + model.safetensors, flat names as transformers writes them, or nested as it holds them).
-Both come out as Kyutai's names, checked against the model's: a missing or misshapen weight is a ValueError that
-names it."""
+ones its load hooks still accept) with an optional Kyutai config JSON (given, or beside it), or a folder
+transformers' `MimiModel` saved (config.json + model.safetensors, flat names as transformers writes them, or nested
+as it holds them). Both come out as Kyutai's names, checked against the model's: a missing or misshapen weight is a
+ValueError that names it."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ _HF_LAYER = {
 
 
 def read_checkpoint(path: str | Path, config: str | Path | dict | None = None) -> tuple[MimiConfig, TensorSource]:
-    """(config, a source of tensors by Kyutai's names) for Kyutai's file or transformers' folder at `path`."""
+    """(config, a source of tensors by Kyutai's names) for Kyutai's file or transformers' folder at `path`. A file's
+    config is `config`, else the Kyutai config JSON `NAME.json` beside `NAME.safetensors`, else Kyutai's Mimi."""
     path = Path(path)
     if path.is_dir():
         if config is not None:
@@ -54,6 +55,8 @@ def read_checkpoint(path: str | Path, config: str | Path | dict | None = None) -
         return _read_transformers(path)
     if not path.is_file():
         raise FileNotFoundError(f"no Mimi checkpoint at {path}: neither a safetensors file nor a folder")
+    if config is None and path.with_suffix(".json").is_file():
+        config = path.with_suffix(".json")  # (as `MimiTokenizer.save_pretrained` writes it)
     if isinstance(config, str | Path):
         config = json.loads(Path(config).read_text())
     cfg = MimiConfig.from_kyutai(config)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
-from codec import EncodecTokenizer
+from codec import Tokenizer
 from s2s.engine.events import NO_TIMES, AudioEvent, CodesEvent, made
 from s2s.engine.frames import UNKNOWN, FrameRows, along_last
 from s2s.engine.metrics import EngineStats
@@ -25,7 +25,7 @@ from s2s.scheduling.scheduler import first_audio_due, frame_deadline
 class AudioIO:
     def __init__(
         self,
-        tokenizer: EncodecTokenizer | None,
+        tokenizer: Tokenizer | None,
         rows: int,
         user_frames: FrameRows,
         model_frames: FrameRows,

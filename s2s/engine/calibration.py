@@ -8,7 +8,7 @@ from typing import Protocol
 
 import numpy as np
 
-from codec import EncodecTokenizer
+from codec import Tokenizer
 from s2s.engine.config import EngineConfig
 from s2s.engine.metrics import CostModel, EngineStats
 from s2s.models.model import S2SModel
@@ -24,7 +24,7 @@ class Calibrated(Protocol):
 
     cfg: EngineConfig
     model: S2SModel
-    tok: EncodecTokenizer | None
+    tok: Tokenizer | None
     cost: CostModel
     stats: EngineStats
 

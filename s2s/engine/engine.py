@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from cache import PagePool
-from codec import EncodecTokenizer
+from codec import Tokenizer
 from s2s.engine.audio_io import AudioIO
 from s2s.engine.calibration import calibrate
 from s2s.engine.commands import Calls, Close, Command, Push
@@ -60,7 +60,7 @@ class Engine(Calls, CommandHandlers):
     def __init__(
         self,
         model: S2SModel,
-        tokenizer: EncodecTokenizer | None,
+        tokenizer: Tokenizer | None,
         config: EngineConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
@@ -71,7 +71,12 @@ class Engine(Calls, CommandHandlers):
         if tokenizer is not None and mcfg.num_codebooks != tokenizer.num_codebooks:
             raise ValueError(
                 f"model uses {mcfg.num_codebooks} codebooks but the codec {tokenizer.num_codebooks}: pick the "
-                "codec bandwidth that matches"
+                "codec bandwidth (EnCodec) or codebook count (Mimi) that matches"
+            )
+        if tokenizer is not None and mcfg.codebook_size < tokenizer.codebook_size:
+            raise ValueError(
+                f"the codec's codebooks have {tokenizer.codebook_size} entries but the model's {mcfg.codebook_size}: "
+                "a model for another codec"
             )
         cfg.take_frame_size(tokenizer.frame_size if tokenizer is not None else None)
         param = next(model.parameters())

@@ -1,15 +1,22 @@
 """CodecGraphs: the streaming codec's steady push (the encoder's PCM to codes, the decoder's codes to PCM, each row
-from its carried state) replayed from CUDA graphs, one per batch bucket and push length.
+from its carried state) replayed from CUDA graphs, one per batch bucket and push length, for either codec (EnCodec,
+Mimi: `codec.Tokenizer`).
 
-The codec's nets are dozens of small convolutions and an LSTM: on a GPU, launches at every tick as the model's were
-(`s2s/runner/cuda_graphs.py`). A steady push of a given length has fixed shapes whatever the rows, so, as for the decode
-step, each bucket size and length is captured once over static buffers (the input, at the longest length, and the
-rows' indices) in one memory pool. The rows' carried state lives in this object's buffer (the streaming codec's, once
-it `use_graphs`), which the graph gathers from and scatters back to by the indices: a push is two copies in and a
-replay. Rows past the real batch are padding, which read and write a spare row of the state; the codec's rows never
-mix, and their output is dropped. A push of another length, or a row still in its warm-up (`codec/streaming.py`),
-runs eagerly. The decoder's pushes are the engine's own (a tick's frames); the encoder's are the clients' (Moshi's
-client sends 80 ms, 6 frames), so it is captured for every length up to twice a tick's.
+The codec's nets are dozens of small convolutions and an LSTM (EnCodec) or two small transformers (Mimi): on a GPU,
+launches at every tick as the model's were (`s2s/runner/cuda_graphs.py`). A steady push of a given length has fixed
+shapes whatever the rows, so, as for the decode step, each bucket size and length is captured once over static
+buffers (the input, at the longest length, and the rows' indices) in one memory pool. The rows' carried state lives
+in this object's buffer (the streaming codec's, once it `use_graphs`), which the graph gathers from and scatters
+back to by the indices: a push is two copies in and a replay. Rows past the real batch are padding, which read and
+write a spare row of the state; the codec's rows never mix, and their output is dropped. A push of another length,
+or a row still in its warm-up (`codec/streaming.py`), runs eagerly, on the same buffer.
+
+Every tensor a step carries from one push to the next is in that buffer, its shape the same at every push: Mimi's
+transformers keep each row's position and, per layer, a ring of keys and values over their context (`context - 1`
+steps), which the step writes into in place. Here it writes into the gathered copy, which the scatter puts back, so
+a replay leaves each row's ring and position where the eager step would. The decoder's pushes are the engine's own
+(a tick's frames); the encoder's are the clients' (Moshi's client sends 80 ms: 6 of EnCodec's frames, 1 of Mimi's),
+so it is captured for every length up to twice a tick's.
 """
 
 from __future__ import annotations
@@ -19,9 +26,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from codec import Tokenizer
 from codec.stream_layers import State
 from codec.streaming import empty_like_rows, gather_rows, scatter_rows
-from codec.tokenizer import EncodecTokenizer
 from s2s.runner.cuda_graphs import bucket_sizes, capture
 
 Step = Callable[[torch.Tensor, State], tuple[torch.Tensor, State]]
@@ -55,7 +62,7 @@ class CodecGraphs:
             self._capture_all()
 
     @classmethod
-    def encoder(cls, tok: EncodecTokenizer, rows: int, frames: list[int], capture: bool = True) -> CodecGraphs:
+    def encoder(cls, tok: Tokenizer, rows: int, frames: list[int], capture: bool = True) -> CodecGraphs:
         """PCM `[R, 1, n x frame_size]` to codes `[R, K, n]`, for each n of `frames`."""
 
         def step(pcm: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
@@ -68,7 +75,7 @@ class CodecGraphs:
         return cls(step, pcm, [n * tok.frame_size for n in frames], state, rows, capture)
 
     @classmethod
-    def decoder(cls, tok: EncodecTokenizer, rows: int, frames: list[int], capture: bool = True) -> CodecGraphs:
+    def decoder(cls, tok: Tokenizer, rows: int, frames: list[int], capture: bool = True) -> CodecGraphs:
         """Codes `[R, K, n]` to PCM `[R, 1, n x frame_size]`, for each n of `frames`."""
 
         def step(codes: torch.Tensor, state: State) -> tuple[torch.Tensor, State]:
@@ -119,9 +126,7 @@ class CodecGraphs:
         return self._step(length, size)[:n]
 
 
-def codec_graphs(
-    tok: EncodecTokenizer, rows: int, tick_frames: int, capture: bool = True
-) -> tuple[CodecGraphs, CodecGraphs]:
+def codec_graphs(tok: Tokenizer, rows: int, tick_frames: int, capture: bool = True) -> tuple[CodecGraphs, CodecGraphs]:
     """The encoder's graphs, for pushes of 1 to twice `tick_frames` frames, and the decoder's, for a tick's."""
     encoder = CodecGraphs.encoder(tok, rows, list(range(1, 2 * tick_frames + 1)), capture)
     return encoder, CodecGraphs.decoder(tok, rows, [tick_frames], capture)

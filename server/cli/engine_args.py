@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from codec import EncodecTokenizer
+from codec import Tokenizer
 from codec.pcm import SAMPLE_RATE
 from s2s import Engine, EngineConfig, placement
 from s2s.build import build_engine, load_codec, weight_folders
@@ -15,7 +15,7 @@ from server.cli.options import DEFAULT_TICK_S, default_threads
 
 
 def weights_of(args: argparse.Namespace) -> tuple[Path | None, Path | None]:
-    """The codec and model folders `add_engine_args` names (`s2s.build.weight_folders`)."""
+    """The codec and model paths `add_engine_args` names (`s2s.build.weight_folders`)."""
     return weight_folders(args.model, args.codec, args.preset, args.random_weights)
 
 
@@ -27,13 +27,16 @@ def placement_of(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
         raise SystemExit(f"--device/--dtype: {e}") from None
 
 
-def engine_of(args: argparse.Namespace, frontends: int = 0) -> tuple[Engine, EncodecTokenizer]:
+def engine_of(args: argparse.Namespace, frontends: int = 0) -> tuple[Engine, Tokenizer]:
     """The engine `add_engine_args` describes, with the voice prompts of `--prompts`, and its codec; `frontends`: the
     front-end processes beside it (their cores are not the engine's)."""
     torch.set_num_threads(args.threads or default_threads(frontends))
     device, dtype = placement_of(args)
     codec, model = weights_of(args)
-    tok = load_codec(codec, args.bandwidth, device)
+    try:
+        tok = load_codec(codec, args.bandwidth, device)
+    except (OSError, ValueError) as e:  # a path that is no codec, or a checkpoint that does not load
+        raise SystemExit(f"--codec: {e}") from None
     frame_s = tok.frame_size / SAMPLE_RATE  # the options in seconds become the codec's frames
     config = EngineConfig(
         cache_mode=args.cache,

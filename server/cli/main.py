@@ -12,7 +12,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from server.cli.options import add_engine_args, add_serve_args
+from server.cli.options import CODEC_HELP, add_engine_args, add_serve_args
 
 SUBCOMMANDS = {"serve": "serve", "client": "talk", "demo": "demo", "roundtrip": "roundtrip", "weights": "weights"}
 TRAINERS = {"codec": "codec.train_codec", "echo": "s2s.training.train_echo"}
@@ -29,9 +29,9 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="s2s", description="Speech-to-speech serving engine")
     sub = p.add_subparsers(dest="command", required=True)
     rt = sub.add_parser("roundtrip", help="stream real speech through the codec and back")
-    rt.add_argument("--codec", type=Path, default=None, help="Hugging Face EnCodec 24 kHz folder (default: shipped)")
+    rt.add_argument("--codec", type=Path, default=None, help=CODEC_HELP)
     rt.add_argument("--random-weights", action="store_true", help="a seeded random codec instead of the shipped one")
-    rt.add_argument("--bandwidth", type=float, default=1.5, help="kbps: 1.5, 3, 6, 12 or 24")
+    rt.add_argument("--bandwidth", type=float, default=1.5, help="EnCodec's kbps: 1.5, 3, 6, 12 or 24")
     rt.add_argument("--wav", type=Path, default=None, help="speech to use instead of espeak-ng's")
     rt.add_argument("--text", default="Hello there. This is a test of the speech codec.", help="what espeak-ng says")
     rt.add_argument("--out", type=Path, default=Path("out/roundtrip.wav"), help="where to write the decoded audio")

@@ -15,6 +15,10 @@ from server.vad.endpointer import VadConfig
 # frames (53 ms), 1 of Mimi's 80 ms. A tick of whole frames keeps near the latency it had at 4 EnCodec frames, where a
 # fixed count of 4 would be 320 ms at 80 ms frames.
 DEFAULT_TICK_S = 0.05
+CODEC_HELP = (
+    "the codec: a Hugging Face EnCodec 24 kHz folder, Kyutai's Mimi safetensors file (its Kyutai config, if not "
+    "Kyutai's Mimi, beside it as NAME.json) or a transformers Mimi folder (default: the shipped EnCodec)"
+)
 
 
 def default_threads(frontends: int) -> int:
@@ -29,11 +33,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--preset", default=None, help="a seeded random model of this shape: tiny, small, base, large (random weights)"
     )
-    p.add_argument("--codec", type=Path, default=None, help="Hugging Face EnCodec 24 kHz folder (default: shipped)")
+    p.add_argument("--codec", type=Path, default=None, help=CODEC_HELP)
     p.add_argument(
         "--random-weights", action="store_true", help="seeded random weights (model and codec) instead of the shipped"
     )
-    p.add_argument("--bandwidth", type=float, default=1.5, help="codec kbps: 1.5, 3, 6, 12 or 24")
+    p.add_argument("--bandwidth", type=float, default=1.5, help="EnCodec's kbps: 1.5, 3, 6, 12 or 24")
     p.add_argument("--cache", default="radix", help="naive, paged, exact or radix")
     p.add_argument("--kv-pages", type=int, default=4096, help="K/V pages of 16 steps")
     p.add_argument("--max-conversations", type=int, default=32)

@@ -1,4 +1,4 @@
-"""`s2s roundtrip`: real speech through the streaming codec and back."""
+"""`s2s roundtrip`: real speech through the streaming codec (EnCodec or Mimi, `codec.load_tokenizer`) and back."""
 
 from __future__ import annotations
 
@@ -8,26 +8,33 @@ import time
 import numpy as np
 import torch
 
-from codec import EncodecTokenizer
+from codec import load_tokenizer
 from codec.pcm import load_wav, save_wav
 from s2s.models.shipped import shipped
 from speech.sample import speech
 
+BLOCK_S = 0.08  # what Moshi's client sends a message
+
 
 def run(args: argparse.Namespace) -> None:
-    """Real speech through the streaming encoder (80 ms blocks, as a client sends) and decoder (frame by frame)."""
+    """Real speech through the streaming encoder (blocks of the codec's whole frames nearest 80 ms, as a client
+    sends) and decoder (frame by frame)."""
     codec = args.codec or (None if args.random_weights else shipped("codec"))
-    tok = EncodecTokenizer.from_pretrained(codec, bandwidth=args.bandwidth)
+    try:
+        tok = load_tokenizer(codec, bandwidth=args.bandwidth)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"--codec: {e}") from None
     weights = f"checkpoint {codec}" if codec else "seeded random weights (output is noise)"
     wav, source = (load_wav(args.wav), str(args.wav)) if args.wav else speech(args.text)
     wav = wav[: len(wav) // tok.frame_size * tok.frame_size]
-    print(f"codec: EnCodec 24 kHz, {tok.bandwidth} kbps, {tok.num_codebooks} codebooks, {weights}")
+    print(f"codec: {tok.describe()}, {weights}")
     print(f"input: {len(wav) / tok.sample_rate:.2f} s of speech from {source}")
 
     enc, dec = tok.streaming_encoder(1), tok.streaming_decoder(1)
     codes, audio, first_out, t0 = [], [], None, time.perf_counter()
-    for a in range(0, len(wav), 1920):
-        new = enc.push(wav[None, a : a + 1920])[0]
+    block = max(1, round(BLOCK_S * tok.frame_rate)) * tok.frame_size
+    for a in range(0, len(wav), block):
+        new = enc.push(wav[None, a : a + block])[0]
         for f in range(new.shape[-1]):
             frame = new[:, f : f + 1]
             codes.append(frame)
