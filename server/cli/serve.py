@@ -11,12 +11,13 @@ from server.app import ChatServer, serve_until_sigterm
 from server.cli.engine_args import engine_of
 from server.cli.options import server_options
 from server.frontends.processes import default_frontends, serve_with_frontends
-from server.malloc_arenas import cap_malloc_arenas
+from server.malloc_heap import cap_malloc_arenas, trim_heap_every
 from server.ports import PortInUse, check_free
 
 
 def run(args: argparse.Namespace) -> None:
     cap_malloc_arenas()  # before the engine's and the server's threads
+    trim_heap_every()
     options = server_options(args)
     frontends = default_frontends() if args.frontends is None else args.frontends
     if frontends < 0:
