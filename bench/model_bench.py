@@ -58,7 +58,7 @@ def ours(model: S2SModel, batch: int, context: int, steps: int, graphs: bool = F
 
     def step(i: int) -> torch.Tensor:
         batch_ = PagedBatch.build([context + i] * batch, [1] * batch, tables, PAGE_SIZE, like["device"])
-        return model.forward_paged(_tokens(cfg, batch, i, like["device"]), batch_, k, v).logits
+        return model.forward_paged(_tokens(cfg, batch, i, like["device"]), batch_, k, v).state
 
     if not graphs:
         return step

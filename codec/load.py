@@ -1,5 +1,6 @@
 """Either codec from a path: `load_tokenizer` tells Mimi's checkpoints (Kyutai's safetensors file, or a folder
-transformers' `MimiModel` saved) from an EnCodec folder, and `Tokenizer` names what it gives."""
+transformers' `MimiModel` or `MoshiForConditionalGeneration` saved) from an EnCodec folder, and `Tokenizer` names what
+it gives."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from codec.tokenizer import EncodecTokenizer
 
 Tokenizer = EncodecTokenizer | MimiTokenizer
 
-KINDS = "an EnCodec folder, a Mimi safetensors file or a transformers Mimi folder"
+KINDS = "an EnCodec folder, a Mimi safetensors file, or a transformers Mimi or Moshi folder"
 
 
 def load_tokenizer(
@@ -27,8 +28,9 @@ def load_tokenizer(
 ) -> Tokenizer:
     """The codec at `path`: a file is Kyutai's Mimi safetensors (its config `config`, else `NAME.json` beside
     `NAME.safetensors`, else Kyutai's Mimi); a folder is the model its config.json's `model_type` names ("mimi":
-    transformers' `MimiModel`, "encodec"); None is EnCodec's architecture with seeded weights. `bandwidth` (kbps)
-    applies to EnCodec, `num_codebooks` and `config` to Mimi."""
+    transformers' `MimiModel`; "moshi": the audio encoder of transformers' `MoshiForConditionalGeneration`, a Mimi;
+    "encodec"); None is EnCodec's architecture with seeded weights. `bandwidth` (kbps) applies to EnCodec,
+    `num_codebooks` and `config` to Mimi."""
     if path is None:
         return EncodecTokenizer.from_pretrained(None, bandwidth=bandwidth, device=device)
     path = Path(path)
@@ -40,7 +42,7 @@ def load_tokenizer(
     kind = _model_type(path)
     if config is not None:
         raise ValueError(f"{path} is a folder, which brings its own config.json: a config is for a Mimi file")
-    if kind == "mimi":
+    if kind in ("mimi", "moshi"):
         return MimiTokenizer.from_pretrained(path, num_codebooks=num_codebooks, device=device)
     if kind == "encodec":
         return EncodecTokenizer.from_pretrained(path, bandwidth=bandwidth, device=device)

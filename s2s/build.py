@@ -14,6 +14,7 @@ from codec.pcm import load_wav
 from s2s.engine.config import EngineConfig
 from s2s.engine.engine import Engine
 from s2s.models.config import ModelConfig
+from s2s.models.family import StepModel, load_model
 from s2s.models.model import S2SModel
 from s2s.models.shipped import shipped
 
@@ -44,31 +45,55 @@ def load_prompts(folder: str | Path, tok: Tokenizer) -> dict[str, np.ndarray]:
     return voices
 
 
-def load_codec(codec: Path | None, bandwidth: float = 1.5, device: torch.device | None = None) -> Tokenizer:
+def load_codec(
+    codec: Path | None,
+    bandwidth: float = 1.5,
+    device: torch.device | None = None,
+    model: StepModel | None = None,
+    config: Path | None = None,
+) -> Tokenizer:
     """The codec at `codec` (`codec.load_tokenizer`: EnCodec's folder, Mimi's file or folder; None: a seeded
-    EnCodec; `bandwidth`: EnCodec's): its frame size is the engine's (`EngineConfig.frame_size`)."""
-    return load_tokenizer(codec, bandwidth=bandwidth, device=device or torch.device("cpu"))
+    EnCodec; `bandwidth`: EnCodec's; `config`: a Mimi file's): its frame size is the engine's
+    (`EngineConfig.frame_size`). With a `model`, a Mimi gives as many codebooks as the model's steps hold."""
+    codebooks = model.config.audio_codebooks if model is not None else 8
+    return load_tokenizer(codec, bandwidth, codebooks, config, device=device or torch.device("cpu"))
+
+
+def load_weights(
+    model: Path | None,
+    codec: Path | None,
+    codec_given: bool,
+    bandwidth: float = 1.5,
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[StepModel | None, Tokenizer]:
+    """The model in the folder `model` (`s2s.models.family.load_model`; None: a preset's, built later) and its
+    codec: `codec` if it was given (`codec_given`), else the one the model folder holds (Moshi's Mimi), else
+    `codec` (the shipped one)."""
+    device = device or torch.device("cpu")
+    loaded, own = load_model(model, dtype, device) if model else (None, None)
+    if own is not None and not codec_given:
+        return loaded, load_codec(own.path, bandwidth, device, loaded, own.config)
+    return loaded, load_codec(codec, bandwidth, device, loaded)
 
 
 def build_engine(
     config: EngineConfig,
     tok: Tokenizer,
-    model: Path | None = None,
+    model: StepModel | None = None,
     preset: str | None = None,
     prompts: Path | None = None,
     device: torch.device | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> Engine:
-    """The engine over `model` (a folder; None: `preset`'s seeded weights, `small` by default) and the codec `tok`
-    (`load_codec`), with the voice prompts of the `prompts` folder registered. A preset takes the codec's codebooks
-    (their count and size)."""
+    """The engine over `model` (`load_weights`; None: `preset`'s seeded weights, `small` by default) and the codec
+    `tok`, with the voice prompts of the `prompts` folder registered. A preset takes the codec's codebooks (their
+    count and size)."""
     device = device or torch.device("cpu")
-    if model:
-        s2s_model = S2SModel.from_pretrained(model, dtype=dtype, device=device)
-    else:
+    if model is None:
         shape = ModelConfig.preset(preset or "small", num_codebooks=tok.num_codebooks, codebook_size=tok.codebook_size)
-        s2s_model = S2SModel.from_seed(shape, seed=0, dtype=dtype, device=device)
-    engine = Engine(s2s_model, tok, config)
+        model = S2SModel.from_seed(shape, seed=0, dtype=dtype, device=device)
+    engine = Engine(model, tok, config)
     for name, codes in (load_prompts(prompts, tok) if prompts else {}).items():
         engine.add_voice(name, codes)
     return engine

@@ -56,7 +56,7 @@ def differences(model: S2SModel, lengths: list[int], page_size: int, seed: int, 
         todo = [(s, seqs[s][done[s] : done[s] + rng.choice([1, 1, 2, 3, 5, 8, 13])], done[s]) for s in todo]
         if not todo:
             continue
-        logits = pages.step(model, todo, invariant)[0].logits
+        logits = pages.step(model, todo, invariant)[0].state
         for row, (s, chunk, cached) in enumerate(todo):
             done[s] = cached + len(chunk)
             if not torch.equal(logits[row], want[s][0][done[s] - 1]):

@@ -58,7 +58,7 @@ def check_round(model: S2SModel, graphs: DecodeGraphs, k, v, n: int, seed: int) 
     got = run(graphs, tokens, cached, pages)
 
     batch = PagedBatch.build(cached, [1] * n, pages, PAGE, device=DEVICE)
-    want = model.forward_paged(torch.from_numpy(tokens).to(DEVICE), batch, k_ref, v_ref).logits
+    want = model.forward_paged(torch.from_numpy(tokens).to(DEVICE), batch, k_ref, v_ref).state
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     for layer in range(cfg.num_hidden_layers):  # the same K/V written, and nothing else (padding stores nothing)
         torch.testing.assert_close(k[layer], k_ref[layer], rtol=1e-5, atol=1e-5)

@@ -48,8 +48,9 @@ def test_events_made_at_once_are_the_events_and_cross_processes() -> None:
     sends them to the front-end processes)."""
     pcm = [np.full(320, i, np.float32) for i in range(3)]
     times = [{"first_audio_out": 1.0}, NO_TIMES, NO_TIMES]
-    events = list(made(AudioEvent, ["a", "b", "c"], [0, 1, 2], [5, 6, 7], pcm, times))
-    assert events[1] == AudioEvent("b", 1, 6, pcm[1]) and isinstance(events[1], AudioEvent)
+    events = list(made(AudioEvent, ["a", "b", "c"], [0, 1, 2], [5, 6, 7], pcm, times, [None, np.arange(3), None]))
+    assert events[0] == AudioEvent("a", 0, 5, pcm[0], times[0]) and isinstance(events[1], AudioEvent)
+    assert (events[1].text == np.arange(3)).all() and events[2].text is None
     for event in events:
         back = pickle.loads(pickle.dumps(event))
         assert type(back) is AudioEvent and back.session == event.session and dict(back.times) == dict(event.times)

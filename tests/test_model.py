@@ -119,7 +119,7 @@ def test_paged_forward_equals_reference(lengths, page_size, window, seed) -> Non
         out, _ = pages.step(model, todo)
         for j, (s, toks, cached) in enumerate(todo):
             pos[s] = cached + len(toks)
-            assert (out.logits[j] - ref[s][pos[s] - 1]).abs().max() <= 1e-4, (s, pos[s])
+            assert (out.state[j] - ref[s][pos[s] - 1]).abs().max() <= 1e-4, (s, pos[s])
 
 
 @settings(max_examples=50, deadline=None)
@@ -158,7 +158,7 @@ def test_sliding_window_never_reads_pages_behind_it() -> None:
         batch = PagedBatch.build([t], [n], [table], page_size)
         out = model.forward_paged(toks[t : t + n], batch, pages.k, pages.v)
         t += n
-        assert (out.logits[0] - ref[t - 1]).abs().max() <= 1e-4
+        assert (out.state[0] - ref[t - 1]).abs().max() <= 1e-4
         assert sum(1 for p in table if p) <= cfg.sliding_window // page_size + 2
 
 
@@ -174,7 +174,7 @@ def generate(model: S2SModel, prompts: list[torch.Tensor], frames: int, params: 
     lens = [len(p) for p in prompts]
     produced = [[] for _ in prompts]
     for _ in range(frames):
-        nxt = sample(out.logits, params, gens, banned_id=cfg.pad_id)
+        nxt = sample(out.state, params, gens, banned_id=cfg.pad_id)
         steps = []
         for s, codes in enumerate(nxt):
             user = torch.full((cfg.num_codebooks,), cfg.silent_id)

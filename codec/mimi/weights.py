@@ -1,8 +1,9 @@
 """Reading Mimi's weights: Kyutai's safetensors file (the names of Kyutai's `MimiModel.state_dict()`, or the older
 ones its load hooks still accept) with an optional Kyutai config JSON (given, or beside it), or a folder
 transformers' `MimiModel` saved (config.json + model.safetensors, flat names as transformers writes them, or nested
-as it holds them). Both come out as Kyutai's names, checked against the model's: a missing or misshapen weight is a
-ValueError that names it."""
+as it holds them), or the audio encoder in a folder transformers' `MoshiForConditionalGeneration` saved (its config
+under config.json's `audio_encoder_config`, its tensors named `audio_encoder.` + a `MimiModel`'s). All come out as
+Kyutai's names, checked against the model's: a missing or misshapen weight is a ValueError that names it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from codec.mimi.config import MimiConfig
@@ -23,6 +25,8 @@ _KYUTAI_LEGACY = [
     (re.compile(r"\._codebook\.(embed_avg|embed_sum)$"), "._codebook.embedding_sum"),
     (re.compile(r"\._codebook\.cluster_size$"), "._codebook.cluster_usage"),
 ]
+# a transformers Moshi folder's Mimi: config.json's key for its config, its tensors' prefix
+_MOSHI_MIMI_CONFIG, _MOSHI_MIMI_PREFIX = "audio_encoder_config", "audio_encoder."
 # transformers' nested names (as a MimiModel holds them) -> its flat ones (as it writes them)
 _HF_NESTED = [
     ("encoder.encoder_seanet.", "encoder."),
@@ -46,8 +50,9 @@ _HF_LAYER = {
 
 
 def read_checkpoint(path: str | Path, config: str | Path | dict | None = None) -> tuple[MimiConfig, TensorSource]:
-    """(config, a source of tensors by Kyutai's names) for Kyutai's file or transformers' folder at `path`. A file's
-    config is `config`, else the Kyutai config JSON `NAME.json` beside `NAME.safetensors`, else Kyutai's Mimi."""
+    """(config, a source of tensors by Kyutai's names) for Kyutai's file or transformers' folder at `path` (a
+    `MimiModel`'s, or a `MoshiForConditionalGeneration`'s: its audio encoder). A file's config is `config`, else the
+    Kyutai config JSON `NAME.json` beside `NAME.safetensors`, else Kyutai's Mimi."""
     path = Path(path)
     if path.is_dir():
         if config is not None:
@@ -70,26 +75,36 @@ def _read_transformers(folder: Path) -> tuple[MimiConfig, _FromTransformers]:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"{folder} holds no config.json: not a transformers Mimi folder")
-    cfg = MimiConfig.from_transformers(json.loads(config_file.read_text()))
+    config, prefix = json.loads(config_file.read_text()), ""
+    if config.get("model_type") == "moshi":  # transformers' Moshi: its Mimi is its audio encoder
+        config, prefix = config.get(_MOSHI_MIMI_CONFIG), _MOSHI_MIMI_PREFIX
+        if not isinstance(config, dict):
+            raise ValueError(f"{config_file}: a Moshi config without {_MOSHI_MIMI_CONFIG}, its Mimi's config")
+    cfg = MimiConfig.from_transformers(config)
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else []
-    files = [folder / f for f in files] or [folder / "model.safetensors"]
+    if index.is_file():  # (a Moshi's shards: those that hold its Mimi's tensors)
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = [folder / f for f in sorted({f for k, f in weight_map.items() if k.startswith(prefix)})]
+    else:
+        files = [folder / "model.safetensors"]
     if not all(f.is_file() for f in files):
         raise FileNotFoundError(f"{folder} lacks its weights: {[str(f) for f in files if not f.is_file()]}")
     hf: dict[str, torch.Tensor] = {}
     for f in files:
-        hf.update(load_file(str(f)))
+        with safe_open(str(f), "pt") as tensors:
+            hf.update({k[len(prefix) :]: tensors.get_tensor(k) for k in tensors.keys() if k.startswith(prefix)})
     for nested, flat in _HF_NESTED:
         hf = {flat + k[len(nested) :] if k.startswith(nested) else k: v for k, v in hf.items()}
-    return cfg, _FromTransformers(hf, cfg)
+    return cfg, _FromTransformers(hf, cfg, prefix)
 
 
 class _FromTransformers:
     """transformers' tensors, read by Kyutai's names (`get`): renamed, and the attention's q, k, v projections
-    joined back into Kyutai's one, q and k rows back in RoPE's interleaved order (transformers rotates halves)."""
+    joined back into Kyutai's one, q and k rows back in RoPE's interleaved order (transformers rotates halves).
+    `prefix`: what the files' names had before transformers' (for errors)."""
 
-    def __init__(self, hf: dict[str, torch.Tensor], cfg: MimiConfig):
-        self.hf, self.heads = hf, cfg.num_heads
+    def __init__(self, hf: dict[str, torch.Tensor], cfg: MimiConfig, prefix: str = ""):
+        self.hf, self.heads, self.prefix = hf, cfg.num_heads, prefix
 
     def hf_names(self, name: str) -> list[str]:
         if m := re.fullmatch(r"(\w+_transformer)\.transformer\.layers\.(\d+)\.(.+)", name):
@@ -109,11 +124,12 @@ class _FromTransformers:
         names = self.hf_names(name)
         missing = [n for n in names if n not in self.hf]
         if missing:
-            raise ValueError(f"transformers Mimi checkpoint lacks weight {missing[0]} (for {name})")
+            raise ValueError(f"transformers Mimi checkpoint lacks weight {self.prefix}{missing[0]} (for {name})")
         if len(names) == 1:
             return self.hf[names[0]]
         q, k, v = (self.hf[n] for n in names)
         if not q.shape == k.shape == v.shape or q.dim() != 2 or q.shape[0] % (2 * self.heads):
+            names = [self.prefix + n for n in names]
             raise ValueError(f"transformers Mimi checkpoint has misshapen weights {names}: {[tuple(q.shape)] * 3}")
         return torch.cat([self._interleave(q), self._interleave(k), v])
 

@@ -8,6 +8,7 @@ Without a codec (a codec-free engine, e.g. a text model over one codebook of byt
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from itertools import repeat
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ from s2s.engine.frames import UNKNOWN, FrameRows, along_last
 from s2s.engine.metrics import EngineStats
 from s2s.engine.session import Session
 from s2s.engine.turns import Phase, Turn
+from s2s.models.config import ModelConfig
 from s2s.runner.codec_graphs import codec_graphs
 from s2s.scheduling.scheduler import first_audio_due, frame_deadline
 
@@ -29,7 +31,7 @@ class AudioIO:
         rows: int,
         user_frames: FrameRows,
         model_frames: FrameRows,
-        codebook_size: int,
+        layout: ModelConfig,
         frame_s: float,
         jitter_buffer_s: float,
         stats: EngineStats,
@@ -38,8 +40,10 @@ class AudioIO:
         graph_frames: int | None,
     ):
         """`user_frames`, `model_frames`: every live session's recent frames, which new user frames are written into
-        and the decoder reads; `frame_s`: a frame's duration (what the deadlines count in); `batch_invariant`: the
-        codec computes each row alone, a frame a call (`codec/streaming.py`); `graph_frames`: a tick's frames: with
+        and the decoder reads; `layout`: the model's step layout (with a text stream, the codec's codes are a
+        frame's codebooks 1 on, and the user's text slot is `pad_id`); `frame_s`: a frame's duration (what the
+        deadlines count in); `batch_invariant`: the codec computes each row alone, a frame a call
+        (`codec/streaming.py`); `graph_frames`: a tick's frames: with
         the codec on a GPU, the decoder's steady pushes of that many frames and the encoder's of up to twice as many
         replay from CUDA graphs (`CodecGraphs`)."""
         self.encoder = tokenizer.streaming_encoder(rows, batch_invariant) if tokenizer else None
@@ -49,11 +53,20 @@ class AudioIO:
             self.encoder.use_graphs(encoder)
             self.decoder.use_graphs(decoder)
         self.user_frames, self.model_frames = user_frames, model_frames
-        self.codebook_size, self.stats, self.clock = codebook_size, stats, clock
+        self.codebook_size, self.stats, self.clock = layout.codebook_size, stats, clock
+        self.text_stream, self.pad_id = layout.text_stream, layout.pad_id
+        # Moshi's frame 0 is its initial token, never spoken (Kyutai's server sends frames from 1 on)
+        self.first_sent = 1 if layout.text_stream else 0
         self.frame_s, self.jitter_buffer_s = frame_s, jitter_buffer_s
         if tokenizer is not None:
-            silence = tokenizer.encode(np.zeros(tokenizer.frame_size * 16, dtype=np.float32))[0, :, -1]
-            self.silence_codes = silence.cpu().numpy()  # what the codec makes of digital silence
+            silence = tokenizer.encode(np.zeros(tokenizer.frame_size * 16, dtype=np.float32))[0, :, -1:]
+            self.silence_codes = self._frames(silence.cpu().numpy())[:, 0]  # what the codec makes of digital silence
+
+    def _frames(self, codes: np.ndarray) -> np.ndarray:
+        """The codec's codes `[K', n]` as a stream's frames `[K, n]`: behind an empty text slot if the model has one."""
+        if not self.text_stream:
+            return codes
+        return np.concatenate([np.full((1, codes.shape[1]), self.pad_id, dtype=codes.dtype), codes])
 
     def reset(self, row: int) -> None:
         """A row's codec state back to the start of a stream (a new session, or a reply cut short)."""
@@ -81,7 +94,7 @@ class AudioIO:
                 owners.append(s)
         if rows:
             encoded = zip(owners, (c.numpy() for c in self.encoder.push(chunks, rows)), strict=True)
-            heard += [(s, codes) for s, codes in encoded if codes.shape[-1]]
+            heard += [(s, self._frames(codes)) for s, codes in encoded if codes.shape[-1]]
         now = self.clock()
         duplex: dict[int, list[tuple[Session, np.ndarray]]] = {}  # by frame count
         for s, codes in heard:
@@ -132,7 +145,9 @@ class AudioIO:
         arrived = np.array([s.first_frame_at for s in sessions], dtype=np.float64)  # NaN: no user frame yet
         duplex = np.array([s.mode == "duplex" for s in sessions])
         complete = self._complete(sessions, model_start, model_row)
-        starts, stops = self._sendable(sessions, complete, prompt, duplex, ~np.isnan(arrived))
+        starts, stops = self._sendable(
+            sessions, complete, np.maximum(prompt, self.first_sent), duplex, ~np.isnan(arrived)
+        )
         todo = np.flatnonzero(stops > starts)
         lengths = (stops - starts)[todo]
         for length in np.unique(lengths).tolist():
@@ -143,12 +158,16 @@ class AudioIO:
                 out = codes  # codec-free: the sampled ids themselves
             else:
                 codes = np.where(codes < self.codebook_size, codes, self.silence_codes[None, :, None])
-                out = self.decoder.push(torch.from_numpy(codes), [s.row for s in items]).cpu().numpy()
+                audio = codes[:, 1:] if self.text_stream else codes
+                out = self.decoder.push(torch.from_numpy(audio), [s.row for s in items]).cpu().numpy()
             now, starts_at = self.clock(), first.tolist()
             turns = [s.turns[-1] for s in items]
             times = [NO_TIMES if "first_audio_out" in t.times else _first_audio(t, now) for t in turns]
             ids, turn_ids = [s.id for s in items], [t.id for t in turns]
-            events = made(AudioEvent if self.decoder is not None else CodesEvent, ids, turn_ids, starts_at, out, times)
+            fields = [ids, turn_ids, starts_at, out, times]
+            if self.decoder is not None:  # (an AudioEvent's text: its frames' text ids, with a text stream)
+                fields.append(codes[:, 0] if self.text_stream else repeat(None, len(items)))
+            events = made(AudioEvent if self.decoder is not None else CodesEvent, *fields)
             for s, a, event in zip(items, starts_at, events, strict=True):
                 s.emitted = a + length
                 s.events.put(event, length)

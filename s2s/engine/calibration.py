@@ -42,7 +42,7 @@ def calibrate(engine: Calibrated) -> None:
     cfg = engine.cfg
     frames = cfg.frames_per_tick
     silence = np.zeros(cfg.frame_size * frames, dtype=np.float32)
-    zeros = np.zeros((engine.model.config.num_codebooks, frames), dtype=np.int64)
+    zeros = np.zeros((engine.model.config.audio_codebooks, frames), dtype=np.int64)
     warmup, ticks = math.ceil(WARMUP_FRAMES / frames), cfg.calibration_ticks
     # the first pass measures nothing: twice the warm-up, so that its frames cross into a second page too
     for n, unmeasured, measured in ((1, 2 * warmup, 0), (1, warmup, ticks), (2, warmup, ticks), (4, warmup, ticks)):

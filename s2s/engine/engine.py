@@ -38,7 +38,7 @@ from s2s.engine.registry import Refused, Registry
 from s2s.engine.resumable import Resumable
 from s2s.engine.session import Session
 from s2s.engine.turns import Phase
-from s2s.models.model import S2SModel
+from s2s.models.family import StepModel
 from s2s.runner.model_runner import ModelRunner
 from s2s.runner.sampling import SamplingParams
 from s2s.scheduling.context import ContextBound
@@ -59,7 +59,7 @@ class Engine(Calls, CommandHandlers):
 
     def __init__(
         self,
-        model: S2SModel,
+        model: StepModel,
         tokenizer: Tokenizer | None,
         config: EngineConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
@@ -68,9 +68,9 @@ class Engine(Calls, CommandHandlers):
         deadlines and the audio follow."""
         self.model, self.tok, self.cfg, self.clock = model, tokenizer, config or EngineConfig(), clock
         mcfg, cfg = model.config, self.cfg
-        if tokenizer is not None and mcfg.num_codebooks != tokenizer.num_codebooks:
+        if tokenizer is not None and mcfg.audio_codebooks != tokenizer.num_codebooks:
             raise ValueError(
-                f"model uses {mcfg.num_codebooks} codebooks but the codec {tokenizer.num_codebooks}: pick the "
+                f"model uses {mcfg.audio_codebooks} codebooks but the codec {tokenizer.num_codebooks}: pick the "
                 "codec bandwidth (EnCodec) or codebook count (Mimi) that matches"
             )
         if tokenizer is not None and mcfg.codebook_size < tokenizer.codebook_size:
@@ -91,6 +91,8 @@ class Engine(Calls, CommandHandlers):
             device=param.device,
         )
         self.stats = EngineStats()
+        if mcfg.sliding_window is not None:  # (pages past the model's own window are never attended)
+            cfg.max_context = min(cfg.max_context, mcfg.sliding_window)
         self.bound = ContextBound.of(cfg.max_context, cfg.page_size, cfg.max_reply_frames, mcfg.max_delay)
         self.bound.check_positions(1, mcfg.max_position_embeddings)
         self.kv = KVManager(self.pool, cfg.cache_mode, self.bound, self.stats, cfg.max_conversations)
@@ -104,7 +106,7 @@ class Engine(Calls, CommandHandlers):
             rows,
             self.user_rows,
             self.model_rows,
-            mcfg.codebook_size,
+            mcfg,
             cfg.frame_s,
             cfg.jitter_buffer_s,
             self.stats,
@@ -160,6 +162,10 @@ class Engine(Calls, CommandHandlers):
         `resume=True` reopens the closed session `session_id`, closed with `keep=True` (`Resumable` says how long
         that is kept), with its whole context; the prefix cache gives back whatever of it is still cached.
         `admit=False` skips the cost check (the engine's own calibration only)."""
+        if self.model.config.text_stream and mode != "duplex":
+            raise ValueError(
+                f"this model (with a text stream: Moshi's family) serves duplex conversations only, not {mode}"
+            )
         if isinstance(prompt, str):
             if prompt not in self.voices:
                 raise KeyError(f"no voice prompt named {prompt!r}; known: {sorted(self.voices)}")

@@ -35,6 +35,7 @@ class AudioEvent(NamedTuple):
     first_frame: int
     pcm: np.ndarray  # float32, 24 kHz
     times: Mapping[str, float] = NO_TIMES  # the turn's stage times, on its first audio (`NO_TIMES` after)
+    text: np.ndarray | None = None  # with a text stream (Moshi's): the text id of each of its frames
 
 
 class CodesEvent(NamedTuple):

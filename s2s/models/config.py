@@ -3,6 +3,9 @@
 Backbone fields carry `transformers.LlamaConfig`'s names, so `to_llama_config()` builds the matching LlamaModel.
 Token ids per codebook: codes `0 .. codebook_size - 1`, then three reserved ids: `pad_id` (before a stream starts,
 the delay padding), `silent_id` (the stream is silent) and `end_id` (the model ends its reply, turn mode).
+With a `text_vocab`, codebook 0 of the model's stream is text (Moshi's inner monologue: tokenizer ids below
+`text_vocab`) and codebook 0 of the user's is empty (`pad_id`); the codec's codebooks are 1 .. K - 1
+(`audio_codebooks`), and the reserved ids come after both vocabularies.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ class ModelConfig:
     num_codebooks: int = 2
     codebook_size: int = 1024
     delays: list[int] = field(default_factory=list)
+    text_vocab: int = 0
 
     def __post_init__(self) -> None:
         if not self.delays:
@@ -60,20 +64,29 @@ class ModelConfig:
             raise ValueError("bad ModelConfig: " + "; ".join(problems))
 
     @property
+    def text_stream(self) -> bool:
+        return self.text_vocab > 0
+
+    @property
     def pad_id(self) -> int:
-        return self.codebook_size
+        return max(self.codebook_size, self.text_vocab)
 
     @property
     def silent_id(self) -> int:
-        return self.codebook_size + 1
+        return self.pad_id + 1
 
     @property
     def end_id(self) -> int:
-        return self.codebook_size + 2
+        return self.pad_id + 2
 
     @property
     def vocab_size(self) -> int:
-        return self.codebook_size + 3
+        return self.pad_id + 3
+
+    @property
+    def audio_codebooks(self) -> int:
+        """The codec's codebooks in a frame: all K, or K - 1 after the text."""
+        return self.num_codebooks - self.text_stream
 
     @property
     def max_delay(self) -> int:
@@ -85,12 +98,15 @@ class ModelConfig:
         return 2 * self.num_codebooks
 
     def checked_codes(self, codes: np.ndarray | torch.Tensor, what: str) -> np.ndarray:
-        """`codes` as int64 `[K, n >= 1]` with every id a real code, or a ValueError saying what is wrong."""
+        """The codec's `codes` `[audio_codebooks, n >= 1]`, every id a real code, as a stream's frames `[K, n]` (an
+        empty text slot first, with a text stream); or a ValueError saying what is wrong."""
         codes = np.asarray(torch.as_tensor(codes).cpu(), dtype=np.int64)
-        if codes.ndim != 2 or codes.shape[0] != self.num_codebooks or codes.shape[1] == 0:
-            raise ValueError(f"{what} must be [K={self.num_codebooks}, n >= 1], got {codes.shape}")
+        if codes.ndim != 2 or codes.shape[0] != self.audio_codebooks or codes.shape[1] == 0:
+            raise ValueError(f"{what} must be [K={self.audio_codebooks}, n >= 1], got {codes.shape}")
         if codes.min() < 0 or codes.max() >= self.codebook_size:
             raise ValueError(f"{what} must lie in [0, {self.codebook_size})")
+        if self.text_stream:
+            codes = np.concatenate([np.full((1, codes.shape[1]), self.pad_id, dtype=np.int64), codes])
         return codes
 
     @classmethod

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,17 +16,22 @@ from torch import nn
 from s2s.models.backbone import Backbone, Linear, RMSNorm, Rotary, linear_for
 from s2s.models.config import ModelConfig
 from s2s.runner.batch import PagedBatch
+from s2s.runner.sampling import RandomStream, SamplingParams, sample
+
+if TYPE_CHECKING:
+    from s2s.runner.sampling_graphs import SamplingGraphs  # (imports the runner, which imports this)
 
 
 @dataclass
 class StepOutput:
-    logits: torch.Tensor  # [S, K, vocab] for each sequence's last new step: the model stream's next step
+    state: torch.Tensor  # each sequence's last new step's: what the model's `head` samples the next step from
 
 
 class S2SModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
+        self.text_pieces = None  # (no text stream: the model interface's)
         # one table per (stream, codebook): user codebooks first, then the model's; looked up as one flat table
         self.embeddings = nn.Parameter(torch.empty(cfg.step_width, cfg.vocab_size, cfg.hidden_size))
         self.backbone = Backbone(cfg)
@@ -55,9 +61,10 @@ class S2SModel(nn.Module):
             raise ValueError(f"step tokens must lie in [0, {cfg.vocab_size})")
         return self.embed_checked(tokens)
 
-    def embed_checked(self, tokens: torch.Tensor) -> torch.Tensor:
+    def embed_checked(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """`embed` for ids the caller has already range-checked: no check on the device, so no host sync (what a
-        CUDA graph can hold; `DecodeGraphs` checks on the host before copying ids in)."""
+        CUDA graph can hold; `DecodeGraphs` checks on the host before copying ids in). A step's embedding does not
+        depend on its position here (`positions`: the model interface's, which Moshi's reads)."""
         cfg = self.config
         flat = (tokens.long() + self._offsets).reshape(-1, cfg.step_width)
         out = F.embedding_bag(flat, self.embeddings.view(-1, cfg.hidden_size), mode="sum")
@@ -92,6 +99,21 @@ class S2SModel(nn.Module):
         hidden = self.backbone.forward_paged(self.embed(tokens), batch, k_caches, v_caches, batch_invariant)
         last = hidden[batch.cu_seqlens_q[1:].long() - 1]
         return StepOutput(self.logits(last, linear_for(batch_invariant)))
+
+    def step_state(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last hidden states `[S, H]` -> what `head` samples from: the logits `[S, K, vocab]`."""
+        return self.logits(hidden)
+
+    def head(self, state: torch.Tensor, params: list[SamplingParams], streams: list[RandomStream]) -> torch.Tensor:
+        """The next step's codes `[S, K]`: each codebook sampled from its logits, never the delay padding."""
+        return sample(state, params, streams, self.config.pad_id)
+
+    def head_graphs(self, max_batch: int, device: torch.device) -> SamplingGraphs:
+        """`head` as CUDA graphs per batch bucket."""
+        from s2s.runner.sampling_graphs import SamplingGraphs
+
+        cfg = self.config
+        return SamplingGraphs(max_batch, cfg.num_codebooks, cfg.vocab_size, cfg.pad_id, device)
 
     # ---- weights on disk ---------------------------------------------------------------------------------------
 

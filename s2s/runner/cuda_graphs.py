@@ -15,13 +15,16 @@ the graph embeds through `embed_checked`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from s2s.models.model import S2SModel
 from s2s.runner.batch import PagedBatch
 from s2s.runner.transfers import Staging
+
+if TYPE_CHECKING:
+    from s2s.models.family import StepModel
 
 
 def capture(device: torch.device, keys: list, run: Callable) -> tuple[dict, dict]:
@@ -62,7 +65,7 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        model: S2SModel,
+        model: StepModel,
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
         page_size: int,
@@ -106,9 +109,9 @@ class DecodeGraphs:
     def _step(self, size: int) -> torch.Tensor:
         """What a graph holds: embed, backbone over pages (K/V stored at the slots), logits; `[size, K, vocab]`."""
         model = self.model
-        x = model.embed_checked(self.tokens[:size])
-        hidden = model.backbone.forward_paged(x, self._batch(size), self.k_caches, self.v_caches)
-        return model.logits(hidden)
+        batch = self._batch(size)
+        x = model.embed_checked(self.tokens[:size], batch.rope_positions)
+        return model.step_state(model.backbone.forward_paged(x, batch, self.k_caches, self.v_caches))
 
     @torch.no_grad()
     def _capture_all(self) -> None:

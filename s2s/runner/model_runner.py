@@ -10,11 +10,9 @@ import torch
 
 from cache import PagePool
 from paged_kernels import batch_invariant as batch_invariant_kernels
-from s2s.models.model import S2SModel
+from s2s.models.family import StepModel
 from s2s.runner.batch import PagedBatch, page_table, stack_tables
 from s2s.runner.cuda_graphs import DecodeGraphs
-from s2s.runner.sampling import sample
-from s2s.runner.sampling_graphs import SamplingGraphs
 from s2s.scheduling.round_batch import RoundBatch
 
 
@@ -22,7 +20,7 @@ class ModelRunner:
     """`batch_invariant`: every forward through the batch-invariant kernels (`paged_kernels/batch_invariant.py`), so
     that a step's logits and K/V do not depend on what else is in its batch or on its chunk; no CUDA graphs."""
 
-    def __init__(self, model: S2SModel, pool: PagePool, max_batch: int, cuda_graphs: bool, batch_invariant: bool):
+    def __init__(self, model: StepModel, pool: PagePool, max_batch: int, cuda_graphs: bool, batch_invariant: bool):
         self.model, self.pool, self.batch_invariant = model, pool, batch_invariant
         self.device = pool.k[0].device
         if batch_invariant:
@@ -32,7 +30,7 @@ class ModelRunner:
             cfg = model.config
             max_pages = math.ceil(cfg.max_position_embeddings / pool.page_size)  # what a window may see
             self.graphs = DecodeGraphs(model, pool.k, pool.v, pool.page_size, max_batch, max_pages=max_pages)
-            self.sampler = SamplingGraphs(max_batch, cfg.num_codebooks, cfg.vocab_size, cfg.pad_id, self.device)
+            self.sampler = model.head_graphs(max_batch, self.device)
         if self.device.type == "cuda":
             with self.on_device():
                 self.warm_up_prefill()
@@ -90,7 +88,7 @@ class ModelRunner:
         if fill is not None:
             fill(device_tokens, lambda name, array: torch.from_numpy(array).to(self.device))
         out = self.model.forward_paged(device_tokens, paged, self.pool.k, self.pool.v, self.batch_invariant)
-        return out.logits
+        return out.state
 
     def sample(self, batch: RoundBatch) -> torch.Tensor | None:
         """The next step's codes `[S, K]` of the rows the batch samples (`RoundBatch.sampling`), each with its own
@@ -100,4 +98,4 @@ class ModelRunner:
             return None
         if self.sampler is not None and self.sampler.fits(len(logits)):
             return self.sampler.run(logits, params, streams)
-        return sample(logits, params, streams, self.model.config.pad_id)
+        return self.model.head(logits, params, streams)

@@ -81,10 +81,10 @@ def _keys(streams: list[RandomStream], device: torch.device) -> torch.Tensor:
     return _fmix32(key ^ (draws & MASK32) ^ ((draws >> 32) * 0x9E3779B9 & MASK32))
 
 
-def _uniform(keys: torch.Tensor, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+def _uniform(keys: torch.Tensor, ids: torch.Tensor, vocab: int, first_codebook: int = 0) -> torch.Tensor:
     """Numbers in (0, 1) for vocabulary `ids` `[S, K, n]` of rows keyed by `keys` `[S]`: each a hash of (key,
-    codebook, id), so it belongs to its id whatever else is drawn."""
-    codebook = torch.arange(ids.shape[1], device=ids.device)[None, :, None]
+    codebook, id), so it belongs to its id whatever else is drawn; the K codebooks are `first_codebook` on."""
+    codebook = torch.arange(first_codebook, first_codebook + ids.shape[1], device=ids.device)[None, :, None]
     x = (keys[:, None, None] + (codebook * vocab + ids) * 0x9E3779B9) & MASK32
     return _unit(_fmix32(_fmix32(x)))
 
@@ -103,17 +103,32 @@ def sample(
 ) -> torch.Tensor:
     """Logits `[S, K, V]` -> token ids `[S, K]`; each stream counts one draw. `banned_id` (the delay padding id) is
     never chosen."""
+    if not len(params) == len(streams) == logits.shape[0]:
+        raise ValueError(f"{logits.shape[0]} sequences but {len(params)} params and {len(streams)} streams")
+    keys = _keys(streams, logits.device)
+    for st in streams:  # one draw per sequence per step, whatever its settings, so its numbers never shift
+        st.draws += 1
+    return sample_keyed(logits, params, keys, banned_id)
+
+
+def sample_keyed(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    keys: torch.Tensor,
+    banned_id: int | None = None,
+    first_codebook: int = 0,
+) -> torch.Tensor:
+    """`sample` with the rows' keys for this step given (`stream_keys`, the draw already counted): for a step whose
+    codebooks are sampled in several calls, each call's logits `[S, K, V]` being codebooks `first_codebook` on."""
     num_seqs, _, vocab = logits.shape
-    if len(params) != num_seqs or len(streams) != num_seqs:
-        raise ValueError(f"{num_seqs} sequences but {len(params)} params and {len(streams)} streams")
+    if len(params) != num_seqs or len(keys) != num_seqs:
+        raise ValueError(f"{num_seqs} sequences but {len(params)} params and {len(keys)} keys")
     logits = logits.float()
     if banned_id is not None:
         logits = logits.clone()
         logits[..., banned_id] = float("-inf")
     greedy = logits.argmax(-1)
-    keys = _keys(streams, logits.device)
-    for st in streams:  # one draw per sequence per step, whatever its settings, so its numbers never shift
-        st.draws += 1
+    keys = keys.to(logits.device)
     if all(p.temperature == 0 for p in params):
         return greedy
 
@@ -130,7 +145,7 @@ def sample(
         row_keys = keys[index]
 
         def noise(ids: torch.Tensor, row_keys: torch.Tensor = row_keys) -> torch.Tensor:
-            return _uniform(row_keys, ids, vocab)
+            return _uniform(row_keys, ids, vocab, first_codebook)
 
         if with_nucleus:
             sampled[index] = _top_k_top_p(scaled, noise, top_k, scaled.new_tensor([p.top_p for p in chosen]))

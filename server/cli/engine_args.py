@@ -10,7 +10,7 @@ import torch
 from codec import Tokenizer
 from codec.pcm import SAMPLE_RATE
 from s2s import Engine, EngineConfig, placement
-from s2s.build import build_engine, load_codec, weight_folders
+from s2s.build import build_engine, load_weights, weight_folders
 from server.cli.options import DEFAULT_TICK_S, default_threads
 
 
@@ -32,11 +32,11 @@ def engine_of(args: argparse.Namespace, frontends: int = 0) -> tuple[Engine, Tok
     front-end processes beside it (their cores are not the engine's)."""
     torch.set_num_threads(args.threads or default_threads(frontends))
     device, dtype = placement_of(args)
-    codec, model = weights_of(args)
+    codec, model_folder = weights_of(args)
     try:
-        tok = load_codec(codec, args.bandwidth, device)
-    except (OSError, ValueError) as e:  # a path that is no codec, or a checkpoint that does not load
-        raise SystemExit(f"--codec: {e}") from None
+        model, tok = load_weights(model_folder, codec, args.codec is not None, args.bandwidth, device, dtype)
+    except (OSError, ValueError) as e:  # a path that is no model or codec, or a checkpoint that does not load
+        raise SystemExit(f"--model/--codec: {e}") from None
     frame_s = tok.frame_size / SAMPLE_RATE  # the options in seconds become the codec's frames
     config = EngineConfig(
         cache_mode=args.cache,

@@ -1,6 +1,6 @@
-"""The `s2s` command: `serve`, `client`, `demo`, `roundtrip` (the codec alone), `weights`, `cluster`, `train
-codec|echo` and `bench NAME` (bench/). Each subcommand is a module of this package, imported when it runs: `s2s
-weights` need not load torch."""
+"""The `s2s` command: `serve`, `client`, `demo`, `roundtrip` (the codec alone), `infer` (a model over a file),
+`weights`, `cluster`, `train codec|echo` and `bench NAME` (bench/). Each subcommand is a module of this package,
+imported when it runs: `s2s weights` need not load torch."""
 
 from __future__ import annotations
 
@@ -14,7 +14,14 @@ from pathlib import Path
 
 from server.cli.options import CODEC_HELP, add_engine_args, add_serve_args
 
-SUBCOMMANDS = {"serve": "serve", "client": "talk", "demo": "demo", "roundtrip": "roundtrip", "weights": "weights"}
+SUBCOMMANDS = {
+    "serve": "serve",
+    "client": "talk",
+    "demo": "demo",
+    "roundtrip": "roundtrip",
+    "infer": "infer",
+    "weights": "weights",
+}
 TRAINERS = {"codec": "codec.train_codec", "echo": "s2s.training.train_echo"}
 
 
@@ -35,6 +42,15 @@ def parser() -> argparse.ArgumentParser:
     rt.add_argument("--wav", type=Path, default=None, help="speech to use instead of espeak-ng's")
     rt.add_argument("--text", default="Hello there. This is a test of the speech codec.", help="what espeak-ng says")
     rt.add_argument("--out", type=Path, default=Path("out/roundtrip.wav"), help="where to write the decoded audio")
+    inf = sub.add_parser("infer", help="a model over a WAV file offline (as Kyutai's moshi.run_inference)")
+    inf.add_argument("--model", type=Path, required=True, help="a model folder (Kyutai's or transformers' Moshi)")
+    inf.add_argument("input", type=Path, help="the WAV file the model hears")
+    inf.add_argument("output", type=Path, help="where to write the reply audio")
+    inf.add_argument("--json", type=Path, default=None, help="where to write each frame's text and codes")
+    inf.add_argument("--codec", type=Path, default=None, help="a codec other than the one the model folder holds")
+    inf.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    inf.add_argument("--seed", type=int, default=0)
+    inf.add_argument("--max-context-s", type=float, default=240.0, help="the engine's attention window, in seconds")
     sv = sub.add_parser("serve", help="run the websocket server")
     add_serve_args(sv)
     cl = sub.add_parser("client", help="stream a WAV file to a server and save the reply")
