@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from moshi_reference import run_reference, tiny_lm_kwargs
+from moshi_reference import MOSHI_PYTHON, run_reference, tiny_lm_kwargs
 from safetensors.torch import load_file, save_file
 
 from s2s import PagedBatch, SamplingParams
@@ -29,6 +29,8 @@ STEPS = 24
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
+    if not MOSHI_PYTHON.exists():
+        pytest.skip(f"Kyutai's moshi needs {MOSHI_PYTHON} (scripts/setup_moshi_client.sh)")
     out = tmp_path_factory.mktemp("moshi")
     configs = [
         {"name": name, "seed": dep_q, "lm": tiny_lm_kwargs(dep_q, context=16), "batch": 4, "steps": STEPS, "frames": 20}
