@@ -8,7 +8,7 @@ grows to its own high-water mark: in the 30-minute soak with 200 connections a s
 
 Freed memory inside an arena stays there too: after minutes of overload (long ticks, larger batches and backlogs)
 the soak's RSS stood at 1,107 MB, and one `malloc_trim(0)` brought it to 742 MB. So a thread trims every half
-minute: what the process holds follows what is live.
+minute and whenever the server falls idle: what the process holds follows what is live.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import threading
+import time
+from collections.abc import Callable
 
 M_ARENA_MAX = -8  # mallopt's parameter number (malloc.h)
 
@@ -40,12 +42,20 @@ def trim_heap() -> bool:
     return True
 
 
-def trim_heap_every(seconds: float = 30.0) -> threading.Thread:
-    """`trim_heap` every `seconds` in a daemon thread, for the life of the process."""
+def trim_heap_every(seconds: float = 30.0, idle: Callable[[], bool] | None = None) -> threading.Thread:
+    """`trim_heap` every `seconds`, and as soon as `idle()` turns true (the last conversation has left: what the
+    process holds then is what it keeps), polled each second in a daemon thread, for the life of the process."""
 
     def loop() -> None:
-        while trim_heap():
-            threading.Event().wait(seconds)
+        last, was_idle = time.monotonic(), False
+        while True:
+            time.sleep(1.0)
+            is_idle = idle() if idle is not None else False
+            if (is_idle and not was_idle) or time.monotonic() - last >= seconds:
+                if not trim_heap():
+                    return
+                last = time.monotonic()
+            was_idle = is_idle
 
     thread = threading.Thread(target=loop, name="trim-heap", daemon=True)
     thread.start()

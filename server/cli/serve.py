@@ -17,7 +17,6 @@ from server.ports import PortInUse, check_free
 
 def run(args: argparse.Namespace) -> None:
     cap_malloc_arenas()  # before the engine's and the server's threads
-    trim_heap_every()
     options = server_options(args)
     frontends = default_frontends() if args.frontends is None else args.frontends
     if frontends < 0:
@@ -25,6 +24,7 @@ def run(args: argparse.Namespace) -> None:
     try:
         check_free(options.host, options.port)  # before the model loads: a taken port is told at once
         engine = engine_of(args, frontends)[0]
+        trim_heap_every(idle=lambda: not engine.sessions)
         if frontends:
             sys.exit(serve_with_frontends(engine, options, frontends))
         uvloop.run(serve_until_sigterm(ChatServer(engine, options)))
