@@ -13,9 +13,11 @@ from codec import Tokenizer, load_tokenizer
 from codec.pcm import load_wav
 from s2s.engine.config import EngineConfig
 from s2s.engine.engine import Engine
+from s2s.engine.prompts import Prompt
 from s2s.models.config import ModelConfig
 from s2s.models.family import StepModel, load_model
 from s2s.models.model import S2SModel
+from s2s.models.moshi.persona import persona_prompt
 from s2s.models.shipped import shipped
 
 AUDIO_SUFFIXES = {".wav", ".flac", ".ogg"}
@@ -30,18 +32,26 @@ def weight_folders(
     return codec or (None if random else shipped("codec")), model or (None if random else shipped("model"))
 
 
-def load_prompts(folder: str | Path, tok: Tokenizer) -> dict[str, np.ndarray]:
-    """name -> codes [K, P] for each audio file whose stem is a plain name (letters, digits, underscore)."""
+def load_prompts(folder: str | Path, tok: Tokenizer, model: StepModel | None = None) -> dict[str, np.ndarray | Prompt]:
+    """name -> codes [K, P] for each audio file whose stem is a plain name (letters, digits, underscore). For a
+    model with a text stream (Moshi's family), PersonaPlex's persona prompts: `NAME.wav` the voice and `NAME.txt` the
+    role text, either one alone or both."""
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"prompt folder {folder} does not exist")
-    voices = {}
-    for path in sorted(folder.iterdir()):
-        if path.suffix.lower() not in AUDIO_SUFFIXES:
-            continue
-        if not path.stem.isidentifier():
-            raise ValueError(f"voice prompt {path.name}: names must be plain (letters, digits, underscore)")
-        voices[path.stem] = tok.encode(load_wav(path))[0].cpu().numpy()
+    persona = model is not None and model.config.text_stream
+    audio = {p.stem: p for p in sorted(folder.iterdir()) if p.suffix.lower() in AUDIO_SUFFIXES}
+    texts = {p.stem: p for p in sorted(folder.iterdir()) if p.suffix == ".txt"} if persona else {}
+    voices: dict[str, np.ndarray | Prompt] = {}
+    for name in sorted(audio.keys() | texts.keys()):
+        if not name.isidentifier():
+            raise ValueError(f"voice prompt {name}: names must be plain (letters, digits, underscore)")
+        wav = load_wav(audio[name]) if name in audio else None
+        if persona:
+            text = texts[name].read_text() if name in texts else None
+            voices[name] = persona_prompt(model.config, tok, model.text_pieces, wav, text)
+        else:
+            voices[name] = tok.encode(wav)[0].cpu().numpy()
     return voices
 
 
@@ -94,6 +104,6 @@ def build_engine(
         shape = ModelConfig.preset(preset or "small", num_codebooks=tok.num_codebooks, codebook_size=tok.codebook_size)
         model = S2SModel.from_seed(shape, seed=0, dtype=dtype, device=device)
     engine = Engine(model, tok, config)
-    for name, codes in (load_prompts(prompts, tok) if prompts else {}).items():
+    for name, codes in (load_prompts(prompts, tok, model) if prompts else {}).items():
         engine.add_voice(name, codes)
     return engine

@@ -285,10 +285,12 @@ class ChatServer:
         return Response(200, "OK", Headers([("Content-Type", WEB_FILES[name]), ("Cache-Control", "no-cache")]), body)
 
     def _settings(self) -> dict:
-        """What the page offers: the voice prompts by name, and the sampling defaults with their bounds."""
+        """What the page offers: the voice prompts by name, the modes (a model with a text stream, Moshi's, is duplex
+        only), and the sampling defaults with their bounds."""
         defaults = SamplingParams()
         return {
             "voices": sorted(self.engine.voices),
+            "modes": ["duplex"] if self.engine.model.config.text_stream else ["turn", "duplex"],
             "sampling": {"temperature": defaults.temperature, "top_k": defaults.top_k, "top_p": defaults.top_p},
             "max_top_k": self.engine.model.config.codebook_size,
             "token_required": self.options.token is not None,

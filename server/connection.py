@@ -23,8 +23,9 @@ before the upgrade: `ChatServer`'s `busy`):
    hung up, seen before the messages it sent and the pace held back) ends the loop at the next message or slice:
    what it had queued is dropped, not worked through.
 
-A session sends from tasks of its own through `Connection`: `send_audio` (which `Playback` counts), `send_event`,
-`send_error`. `server/engine_session.py` has the engine's side (the one bridge from engine events to asyncio).
+A session sends from tasks of its own through `Connection`: `send_audio` (which `Playback` counts), `send_text` (a
+model's text stream), `send_event`, `send_error`. `server/engine_session.py` has the engine's side (the one bridge
+from engine events to asyncio).
 """
 
 from __future__ import annotations
@@ -144,6 +145,10 @@ class Connection:
         for message in messages:
             await self.ws.send(message)
         return bool(messages)
+
+    async def send_text(self, piece: str) -> None:
+        """Text of the model's text stream (`Wire.text`)."""
+        await self.ws.send(self.wire.text(piece))
 
     async def send_event(self, data: dict) -> None:
         await self.ws.send(self.wire.event(data))

@@ -24,6 +24,7 @@ from server.vad.config import Gate, VadConfig
 if TYPE_CHECKING:
     from s2s import Engine
     from s2s.engine.events import CodesEvent, EventQueue
+    from s2s.models.moshi.text import TextPieces
 
 
 SLOW = "not reading fast enough: closed"
@@ -92,6 +93,13 @@ async def events(q: EventQueue, conn: Connection) -> AsyncIterator[AudioEvent | 
         yield event
 
 
+def frame_texts(pieces: TextPieces, ids: np.ndarray) -> list[str]:
+    """Each frame's text from its text id: "" for padding, and for an id outside the tokenizer's vocabulary (no text
+    the model sampled: a frame it has not written)."""
+    vocab = pieces.vocab_size
+    return [pieces.text((i,)) if 0 <= i < vocab else "" for i in ids.tolist()]
+
+
 class EngineSession:
     """A conversation in the engine: the client's audio and turn ends in, its events out to the client."""
 
@@ -99,6 +107,7 @@ class EngineSession:
         self, engine: Engine, cid: str, mode: str, vad: VadConfig, gate: Gate, conn: Connection, metrics: TurnMetrics
     ):
         self.engine, self.cid, self.mode, self.metrics = engine, cid, mode, metrics
+        self.text_pieces: TextPieces | None = getattr(engine.model, "text_pieces", None)  # with a text stream
         self.info = {"session": cid, "mode": mode}
         self.vad, self.gate = vad if mode == "turn" else None, gate
         self._sender = asyncio.create_task(self._send(conn))
@@ -144,10 +153,22 @@ class EngineSession:
         async for event in events(self.engine.event_queue(self.cid), conn):
             try:
                 if isinstance(event, AudioEvent):
-                    await conn.send_audio(event.pcm, event.turn)
+                    if event.text is not None and self.text_pieces is not None:
+                        await self._send_with_text(conn, event)
+                    else:
+                        await conn.send_audio(event.pcm, event.turn)
                 elif isinstance(event, MetaEvent):
                     if event.data.get("event") == "reply_done":
                         self.metrics.observe("moshi", event.data["times"])
                     await conn.send_event({"session": event.session, "turn": event.turn, **event.data})
             except ConnectionClosed:
                 continue  # keep draining until the conversation is closed
+
+    async def _send_with_text(self, conn: Connection, event: AudioEvent) -> None:
+        """Frame by frame, as Kyutai's `moshi.server` sends a step: its audio, then its text piece (a `0x02` message),
+        if it is not padding."""
+        frame = len(event.pcm) // max(1, len(event.text))
+        for i, piece in enumerate(frame_texts(self.text_pieces, event.text)):
+            await conn.send_audio(event.pcm[i * frame : (i + 1) * frame], event.turn)
+            if piece:
+                await conn.send_text(piece)

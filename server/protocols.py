@@ -54,6 +54,9 @@ class Wire(Protocol):
 
     def audio(self, pcm: np.ndarray) -> list[Message]: ...
 
+    def text(self, piece: str) -> Message:
+        """Text of the model's text stream (Moshi's `0x02` message); only wires whose sessions send text have it."""
+
     def event(self, data: dict) -> Message: ...
 
     def error(self, text: str, code: str = "invalid_request") -> Message: ...

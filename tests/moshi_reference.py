@@ -55,8 +55,9 @@ loaders._mimi_config (see `tiny_mimi_config`)...} (optional)}, ...]}. For each c
   (`InferenceState.run`), less the quirks that "pipeline_variants": [names] (optional) adds, each as
   `<name>_frames`, `<name>_audio` and `<name>_user_codes` (same layout; `run_inference_frames` has n rows):
   - "run_inference": `run_inference` steps the first frame's codes twice (`if first_frame: lm_gen.step(codes)`, None,
-    then `lm_gen.step(codes)` again), so it returns n frames, the first of which has heard frame 0 (here over the
-    padded file: `run_inference` itself drops a last partial frame, "We keep only fully frames");
+    then `lm_gen.step(codes)` again): its step s (1 .. n) is given input frame s - 1, where the plain loop's step s
+    is given frame s, so it returns n frames (LMGen's frames 1 .. n), each hearing the input a frame later (here
+    over the padded file: `run_inference` itself drops a last partial frame, "We keep only fully frames");
   - "server": `moshi.server` calls `mimi.reset_streaming()` after encoding the first frame ("the first input audio
     frame is ignored"), so frames 1 .. are encoded as if frame 1 were the file's first;
   - "full_window": not Kyutai's behaviour, a diagnosis: the plain pipeline with the Mimi's streaming KV caches one
@@ -597,11 +598,11 @@ def run_pipeline(info, wav_path: Path, variants: list[str], out: Path) -> dict:
     for name in variants:
         v_frames, v_audio, v_user = pipeline(info, wav, name)
         arrays.update({f"{name}_frames": v_frames, f"{name}_audio": v_audio, f"{name}_user_codes": v_user})
-        aligned = v_frames[1:] if name == "run_inference" else v_frames
+        same_steps = v_frames[: len(frames)]  # (LMGen's frames 1 .. n - 1: run_inference has one more)
         summary["variants"][name] = {
-            "frames_differing": [1 + int(f) for f in np.flatnonzero((aligned != frames).any(1))],
+            "frames_differing": [1 + int(f) for f in np.flatnonzero((same_steps != frames).any(1))],
             "user_code_frames_differing": [int(f) for f in np.flatnonzero((v_user != user_codes).any(0))],
-            "audio_max_diff": float(np.abs(v_audio[-len(audio) :] - audio).max()),
+            "audio_max_diff": float(np.abs(v_audio[: len(audio)] - audio).max()),
         }
     np.savez(out / "pipeline.npz", **arrays)
     summary["shapes"] = {k: list(v.shape) for k, v in arrays.items()}

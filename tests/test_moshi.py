@@ -11,20 +11,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from moshi_reference import MOSHI_PYTHON, run_reference, tiny_lm_kwargs
+from moshi_reference import MOSHI_PYTHON, run_reference, tiny_lm_kwargs, tiny_mimi_config
 from safetensors.torch import load_file, save_file
 
+from codec import MimiTokenizer
 from s2s import PagedBatch, SamplingParams
-from s2s.engine.engine import Engine, EngineConfig
+from s2s.engine.engine import CodesEvent, Engine, EngineConfig
 from s2s.models.family import load_model
 from s2s.models.moshi.config import MoshiConfig
 from s2s.models.moshi.model import MoshiLM
+from s2s.models.moshi.persona import persona_prompt
 from s2s.runner.batch import page_table
 from s2s.runner.cuda_graphs import DecodeGraphs
 
 GREEDY = SamplingParams(temperature=0)
 CONFIGS = {"dep8": 8, "dep16": 16}
-STEPS = 24
+STEPS = 40  # past two pages of 16 beyond the 16-step window: where a sink would leak in
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,8 @@ def reference(tmp_path_factory) -> Path:
     configs = [
         {"name": name, "seed": dep_q, "lm": tiny_lm_kwargs(dep_q, context=16), "batch": 4, "steps": STEPS, "frames": 20}
         for name, dep_q in CONFIGS.items()
-    ]
+    ]  # (a window of 16 steps: the streaming test crosses it)
+    configs.append({"name": "long", "seed": 1, "lm": tiny_lm_kwargs(8, context=256), "batch": 1, "steps": 4})
     run_reference({"configs": configs}, out)
     return out
 
@@ -63,15 +66,22 @@ def test_teacher_forced_logits_equal_kyutais(reference, name) -> None:
 
 def stream(engine: Engine, user: np.ndarray, steps: int) -> list[np.ndarray]:
     """Open a greedy duplex conversation per row of `user` `[B, K', steps]`, push each its codes, tick until every
-    one has computed `steps` steps; each one's model frames `[K, steps]`."""
+    one has computed `steps` steps; each one's model frames `[K, steps - 1]` from frame 1 on, as its events carry
+    them (frames out of the window are forgotten by the session)."""
     cids = [engine.open("duplex", sampling=GREEDY) for _ in user]
     for cid, codes in zip(cids, user, strict=True):
         engine.push_codes(cid, codes)
+    frames: dict[str, dict[int, np.ndarray]] = {c: {} for c in cids}
     for _ in range(10 * steps):
         engine.step()
+        for c in cids:
+            q = engine.event_queue(c)
+            while not q.empty():
+                if isinstance(event := q.get_nowait(), CodesEvent):
+                    frames[c].update({event.first_frame + i: event.codes[:, i] for i in range(event.codes.shape[1])})
         if all(engine.sessions[c].computed >= steps for c in cids):
             break
-    return [engine.sessions[c].model[0:steps].T for c in cids]
+    return [np.stack([frames[c][f] for f in range(1, steps)], axis=1) for c in cids]
 
 
 @pytest.mark.parametrize("mode", ["naive", "radix"])
@@ -84,9 +94,9 @@ def test_streaming_greedy_through_the_engine_equals_lmgen(reference, mode) -> No
     expected = ref["gen_tokens"][:, :, 1:]
     alone = stream(Engine(model, None, EngineConfig(**config)), ref["user_codes"][:1], STEPS)
     together = stream(Engine(model, None, EngineConfig(**config)), ref["user_codes"], STEPS)
-    np.testing.assert_array_equal(alone[0][:, 1:], expected[0])
+    np.testing.assert_array_equal(alone[0], expected[0])
     for b, frames in enumerate(together):
-        np.testing.assert_array_equal(frames[:, 1:], expected[b], err_msg=f"conversation {b}")
+        np.testing.assert_array_equal(frames, expected[b], err_msg=f"conversation {b}")
     assert len(np.unique(expected[:, 0])) > 3  # the text varies: the comparison can fail
 
 
@@ -182,3 +192,32 @@ def test_the_head_samples_each_row_as_it_would_alone() -> None:
         assert torch.equal(alone[0], batched[i])
     assert batched.shape == (5, 1 + model.moshi.dep_q)
     assert (batched[:, 0] < model.moshi.text_card).all() and (batched[:, 1:] < model.moshi.card).all()
+
+
+def test_a_shared_persona_prompt_is_computed_once(reference) -> None:
+    """PersonaPlex's persona (a voice, then a role text) ahead of four conversations opened at once: in radix mode
+    the first computes it and the others get its whole pages back from the cache; paged mode computes it four
+    times. The prompt's frames are both streams': the model's text and audio, the user's sine."""
+    model = load(reference / "long")  # a window longer than the prompt, as Moshi's 3,000 steps are
+    lm = tiny_lm_kwargs(8, context=256)
+    tok = MimiTokenizer.random(tiny_mimi_config(8, lm["card"]), seed=0, num_codebooks=8)
+    voice = (0.3 * np.random.default_rng(0).standard_normal(40 * tok.frame_size)).clip(-1, 1).astype(np.float32)
+    prompt = persona_prompt(model.config, tok, model.text_pieces, voice, "you are a helpful gardener")
+    text_ids = model.text_pieces.processor.encode("<system> you are a helpful gardener <system>")
+    assert prompt.frames == 40 + 1 + len(text_ids) + 1 and (prompt.user[0] == model.config.pad_id).all()
+    assert list(prompt.model[0, 41 : 41 + len(text_ids)]) == text_ids
+    computed, hits = {}, {}
+    for mode in ("paged", "radix"):
+        config = EngineConfig(max_context=256, num_pages=400, cache_mode=mode, calibration_ticks=0, prefill_budget=32)
+        engine = Engine(model, tok, config)
+        engine.add_voice("gardener", prompt)
+        cids = [engine.open("duplex", prompt="gardener", sampling=GREEDY, admit=False) for _ in range(4)]
+        for _ in range(40):
+            engine.step()
+        assert all(engine.sessions[c].computed >= prompt.frames - 1 for c in cids)
+        computed[mode], hits[mode] = engine.stats.prefill_steps, engine.cache.stats().hit_steps
+        engine.cache.check()
+    page = EngineConfig().page_size
+    shared = (prompt.frames - 1) // page * page  # whole pages of the prompt (a match never covers a key's last step)
+    assert computed["paged"] >= 4 * (prompt.frames - 1) and hits["paged"] == 0
+    assert hits["radix"] == 3 * shared and computed["radix"] <= computed["paged"] - 3 * shared

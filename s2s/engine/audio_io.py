@@ -157,6 +157,7 @@ class AudioIO:
             if self.decoder is None:
                 out = codes  # codec-free: the sampled ids themselves
             else:
+                text = codes[:, 0] if self.text_stream else repeat(None, len(items))  # (ids past the audio's)
                 codes = np.where(codes < self.codebook_size, codes, self.silence_codes[None, :, None])
                 audio = codes[:, 1:] if self.text_stream else codes
                 out = self.decoder.push(torch.from_numpy(audio), [s.row for s in items]).cpu().numpy()
@@ -166,7 +167,7 @@ class AudioIO:
             ids, turn_ids = [s.id for s in items], [t.id for t in turns]
             fields = [ids, turn_ids, starts_at, out, times]
             if self.decoder is not None:  # (an AudioEvent's text: its frames' text ids, with a text stream)
-                fields.append(codes[:, 0] if self.text_stream else repeat(None, len(items)))
+                fields.append(text)
             events = made(AudioEvent if self.decoder is not None else CodesEvent, *fields)
             for s, a, event in zip(items, starts_at, events, strict=True):
                 s.emitted = a + length

@@ -34,6 +34,7 @@ from s2s.engine.events import AudioEvent, CodesEvent, EventQueue, MetaEvent
 from s2s.engine.frames import FrameRows
 from s2s.engine.handlers import CommandHandlers, Open
 from s2s.engine.metrics import CostModel, EngineSnapshot, EngineStats
+from s2s.engine.prompts import Prompt, checked_prompt
 from s2s.engine.registry import Refused, Registry
 from s2s.engine.resumable import Resumable
 from s2s.engine.session import Session
@@ -91,9 +92,8 @@ class Engine(Calls, CommandHandlers):
             device=param.device,
         )
         self.stats = EngineStats()
-        if mcfg.sliding_window is not None:  # (pages past the model's own window are never attended)
-            cfg.max_context = min(cfg.max_context, mcfg.sliding_window)
-        self.bound = ContextBound.of(cfg.max_context, cfg.page_size, cfg.max_reply_frames, mcfg.max_delay)
+        window = mcfg.sliding_window  # the model's own (Moshi's context): the engine's window, with no sink
+        self.bound = ContextBound.of(cfg.max_context, cfg.page_size, cfg.max_reply_frames, mcfg.max_delay, window)
         self.bound.check_positions(1, mcfg.max_position_embeddings)
         self.kv = KVManager(self.pool, cfg.cache_mode, self.bound, self.stats, cfg.max_conversations)
         self.cache = self.kv.cache
@@ -124,7 +124,7 @@ class Engine(Calls, CommandHandlers):
             self.cost, cfg.max_conversations, self.kv.capacity, cfg.frames_per_tick, cfg.tick_s, cfg.admission_headroom
         )
         self.sessions: dict[str, Session] = {}  # live, in the order they opened: the engine thread's alone
-        self.voices: dict[str, np.ndarray] = {}  # named voice prompts (codes [K, P])
+        self.voices: dict[str, Prompt] = {}  # named voice prompts
         self.registry = Registry(
             mcfg, self.admission, self.bound, cfg.max_conversations, cfg.frame_size, self.stats, clock
         )
@@ -140,11 +140,12 @@ class Engine(Calls, CommandHandlers):
 
     # ---- public API: any thread, never waits for a tick ---------------------------------------------------------
 
-    def add_voice(self, name: str, codes: np.ndarray | torch.Tensor) -> None:
-        """Register a voice prompt under `name`; conversations opened with `prompt=name` share its prefix."""
-        codes = self.model.config.checked_codes(codes, "voice codes")
-        self.bound.check_positions(self.bound.sink_pages(codes.shape[1]), self.model.config.max_position_embeddings)
-        self.voices[name] = codes
+    def add_voice(self, name: str, prompt: Prompt | np.ndarray | torch.Tensor) -> None:
+        """Register a voice prompt under `name` (the codec's codes `[K, P]`, or a `Prompt` of both streams);
+        conversations opened with `prompt=name` share its prefix."""
+        prompt = checked_prompt(self.model.config, prompt, "voice codes")
+        self.bound.check_positions(self.bound.sink_pages(prompt.frames), self.model.config.max_position_embeddings)
+        self.voices[name] = prompt
 
     def open(
         self,
@@ -171,10 +172,8 @@ class Engine(Calls, CommandHandlers):
                 raise KeyError(f"no voice prompt named {prompt!r}; known: {sorted(self.voices)}")
             prompt = self.voices[prompt]
         elif prompt is not None:
-            prompt = self.model.config.checked_codes(prompt, "prompt codes")
-            self.bound.check_positions(
-                self.bound.sink_pages(prompt.shape[1]), self.model.config.max_position_embeddings
-            )
+            prompt = checked_prompt(self.model.config, prompt, "prompt codes")
+            self.bound.check_positions(self.bound.sink_pages(prompt.frames), self.model.config.max_position_embeddings)
         if resume and session_id not in self.resumable:
             raise KeyError(f"no closed session {session_id!r} to resume (not kept, or no longer)")
         s = self.registry.admit(mode, sampling or SamplingParams(), session_id, admit)

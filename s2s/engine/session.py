@@ -24,6 +24,7 @@ import torch
 
 from s2s.engine.events import EventQueue
 from s2s.engine.frames import UNKNOWN, FrameRows, Frames
+from s2s.engine.prompts import Prompt
 from s2s.engine.step_tokens import StepTokens
 from s2s.engine.turns import Phase, Turn, TurnLifecycle
 from s2s.models.config import ModelConfig
@@ -209,12 +210,12 @@ class Session(StepTokens, TurnLifecycle):
         self.user.ensure(frames)
         self.model.ensure(frames)
 
-    def set_prompt(self, codes: np.ndarray) -> None:
-        """A voice prompt `[K, P]` becomes model frames 0..P-1, the user silent meanwhile."""
-        p = codes.shape[1]
+    def set_prompt(self, prompt: Prompt) -> None:
+        """A prompt becomes frames 0..P-1 of both streams (the user's silent where it gives none)."""
+        p = prompt.frames
         self._ensure(p + 1)
-        self.model[:p] = codes.T
-        self.user[:p] = self.cfg.silent_id
+        self.model[:p] = prompt.model.T
+        self.user[:p] = self.cfg.silent_id if prompt.user is None else prompt.user.T
         self.user_frames = self.prompt_frames = p
         if self.bound is not None:
             self.sink = self.bound.sink_pages(p)

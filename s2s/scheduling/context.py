@@ -12,6 +12,10 @@ window's, and the steps' absolute positions for RoPE (`visible`).
 
 Turn mode keeps `rewind_pages` more behind the window: a barge-in or a regenerate goes back into the last reply and
 recomputes from there, which needs the window its first recomputed step saw.
+
+A model with an attention window of its own (Moshi's `context`: a step sees the last `context` steps, and nothing
+before them) has no sink (`sink=False`): its window of pages holds every step the model's window reaches, and the
+compact page table keeps the steps' distances, so the attention kernel's window masks exactly what the model's does.
 """
 
 from __future__ import annotations
@@ -25,16 +29,24 @@ class ContextBound:
     page_size: int
     window_pages: int  # the recent window, in pages
     rewind_pages: int  # turn mode: pages kept behind the window for a rewind into the last reply
+    sink: bool = True  # the prompt's pages (at least one) stay in attention; False: a model's own window, no sink
 
     @classmethod
-    def of(cls, window_steps: int, page_size: int, max_reply_frames: int, max_delay: int) -> ContextBound:
-        return cls(
-            page_size,
-            math.ceil(window_steps / page_size),
-            math.ceil((max_reply_frames + max_delay + 2) / page_size) + 1,
-        )
+    def of(
+        cls, window_steps: int, page_size: int, max_reply_frames: int, max_delay: int, model_window: int | None = None
+    ) -> ContextBound:
+        """`model_window`: the model's own attention window in steps, which then sets the window (the pages any of
+        its steps reach) in place of `window_steps`, with no sink."""
+        if model_window is not None:
+            window_pages = math.ceil(model_window / page_size) + 1  # a window's steps span one page more than it
+        else:
+            window_pages = math.ceil(window_steps / page_size)
+        rewind = math.ceil((max_reply_frames + max_delay + 2) / page_size) + 1
+        return cls(page_size, window_pages, rewind, sink=model_window is None)
 
     def sink_pages(self, prompt_frames: int) -> int:
+        if not self.sink:
+            return 0
         return max(1, math.ceil(prompt_frames / self.page_size))
 
     def window_start(self, sink: int, page: int) -> int:

@@ -24,11 +24,11 @@ def run(args: argparse.Namespace) -> None:
     try:
         model, tok = load_weights(args.model, args.codec, args.codec is not None)
         sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
-    except (OSError, ValueError) as e:
+        wav = load_wav(args.input)
+    except (OSError, ValueError, RuntimeError) as e:  # (soundfile's errors for a file that is no audio)
         raise SystemExit(f"s2s infer: {e}") from None
     if model is None:
         raise SystemExit("s2s infer: --model names no model")
-    wav = load_wav(args.input)
     frames = math.ceil(len(wav) / tok.frame_size)
     wav = np.pad(wav, (0, frames * tok.frame_size - len(wav)))  # (Kyutai pads the last frame with zeros)
     frame_s = tok.frame_size / tok.sample_rate

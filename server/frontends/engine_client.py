@@ -27,6 +27,7 @@ import zmq
 from s2s import EngineSnapshot, SamplingParams
 from s2s.engine.commands import Calls, Close, Command, not_open
 from s2s.engine.events import EventQueue
+from s2s.models.moshi.text import TextPieces
 from server.connection import PerClient
 
 ANSWER_TIMEOUT_S = 30.0  # a core that takes longer is gone (`s2s serve` then stops every process)
@@ -45,7 +46,8 @@ class EngineClient(Calls):
         self._modes: dict[str, str] = {}  # open conversation -> its mode
         self._loop: asyncio.AbstractEventLoop | None = None
         hello = self.query("hello")
-        self.model = SimpleNamespace(config=hello["model_config"])
+        pieces = hello["text_pieces"]  # with a text stream (Moshi's): the sentencepiece file and padding ids
+        self.model = SimpleNamespace(config=hello["model_config"], text_pieces=TextPieces(*pieces) if pieces else None)
         self.cfg = hello["engine_config"]  # with its codec's frame size, which this process cannot import
         self._has_codec, self._snapshot = hello["has_codec"], hello["snapshot"]
 

@@ -110,8 +110,10 @@ class EngineCore:
     def _hello(self, frontend: bytes) -> dict:
         self.frontends.add(frontend)
         engine = self.engine
+        pieces = getattr(engine.model, "text_pieces", None)  # (its tokenizer, by path: a front end loads its own)
         return {
             "model_config": engine.model.config,
+            "text_pieces": None if pieces is None else (str(pieces.path), tuple(sorted(pieces.padding_ids))),
             "engine_config": engine.cfg,
             "has_codec": engine.tok is not None,
             "snapshot": engine.snapshot(),

@@ -31,6 +31,7 @@ class ClientResult:
     handshake: bool = False
     errors: list[str] = field(default_factory=list)
     metadata: list[dict] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)  # the model's text stream, as its `0x02` messages came
     turn_latency_s: float | None = None  # true end of speech to the first reply audio after it
     speech_started: float | None = None  # time.monotonic() when the first speech sample was "spoken"
 
@@ -44,6 +45,7 @@ async def talk(
     listen_s: float = 3.0,
     end_turn: bool = True,
     on_audio: Callable[[tuple[float, int]], None] | None = None,
+    on_text: Callable[[str], None] | None = None,
     **params: str,
 ) -> ClientResult:
     """Send `speech` in 80 ms blocks at `speed` x real time, then (turn mode, unless `end_turn=False`, which leaves
@@ -52,7 +54,8 @@ async def talk(
     costs nothing. In duplex, where the server answers each frame it hears with one, the listening goes on while the
     reply still comes (a slow server catching up): until `listen_s` has passed with no audio, for three times the
     speech's length more at most.
-    `on_audio((arrival time, samples))` is called for each audio message received."""
+    `on_audio((arrival time, samples))` is called for each audio message received, `on_text(piece)` for each text
+    message (a model with a text stream: Moshi's inner monologue)."""
     query = "&".join(f"{k}={v}" for k, v in {"mode": mode, "codec": codec, **params}.items())
     result = ClientResult(np.zeros(0, dtype=np.float32))
     chunks: list[np.ndarray] = []
@@ -90,6 +93,11 @@ async def talk(
                         chunks.append(np.asarray(pcm, dtype=np.float32))
                         if on_audio is not None:
                             on_audio((time.monotonic(), len(pcm)))
+                elif kind == Kind.TEXT:
+                    piece = message[1:].decode(errors="replace")
+                    result.text.append(piece)
+                    if on_text is not None:
+                        on_text(piece)
                 elif kind == Kind.ERROR:
                     result.errors.append(message[1:].decode(errors="replace"))
                 elif kind == Kind.METADATA:

@@ -71,6 +71,9 @@ class MoshiWire:
                 messages.append(protocol.audio(bytes(data)))
         return messages
 
+    def text(self, piece: str) -> bytes:
+        return protocol.text(piece)
+
     def event(self, data: dict) -> bytes:
         return protocol.metadata(data)
 
@@ -117,6 +120,8 @@ class MoshiEndpoint:
         mode = query.get("mode", "duplex")
         if mode not in ("duplex", "turn"):
             raise ProtocolError(f"mode must be duplex or turn, got {mode!r}")
+        if mode == "turn" and self.engine.model.config.text_stream:
+            raise ProtocolError("this model (with a text stream: Moshi's family) serves duplex conversations only")
         wire = MoshiWire(query.get("codec", "opus"))
         voice = query.get("voice")
         if voice is not None and (not voice.isidentifier() or voice not in self.engine.voices):

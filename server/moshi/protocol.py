@@ -49,6 +49,11 @@ def audio(payload: bytes) -> bytes:
     return bytes([Kind.AUDIO]) + payload
 
 
+def text(piece: str) -> bytes:
+    """Text of the model's text stream (Moshi's inner monologue), as Kyutai's server sends each step's piece."""
+    return bytes([Kind.TEXT]) + piece.encode()
+
+
 def metadata(data: dict) -> bytes:
     return (
         bytes([Kind.METADATA]) + json.dumps(data, default=lambda o: o.item() if hasattr(o, "item") else str(o)).encode()

@@ -1,6 +1,8 @@
 // The page's conversation over /api/chat (Moshi's framing: a kind byte, then the payload): the microphone in 80 ms
 // blocks of 24 kHz audio (PCM16, or Ogg/Opus through opus.js), the reply played as it comes, both voices drawn on
 // one scrolling time axis with each turn's marks, and the exchange kept for a stereo WAV (left: you, right: model).
+// A model with a text stream (Moshi's inner monologue, kind 2 messages) has its text shown under its lane, each word
+// where its audio plays, and in full below the picture.
 // Time is the AudioContext's clock, in seconds from the start of the conversation.
 import { OpusReceiver, OpusSender } from "/web/opus.js";
 
@@ -12,7 +14,7 @@ const AUDIBLE_RMS = 0.003;  // model audio above this counts as a reply
 const $ = (id) => document.getElementById(id);
 
 const state = window.s2s = { connected: false, handshake: false, sentBlocks: 0, receivedSamples: 0, micPeak: 0,
-  errors: [], problem: null, turns: [], url: null, metadata: null, status: "" };
+  errors: [], problem: null, turns: [], url: null, metadata: null, status: "", text: "" };
 let conv = null;  // the live conversation's parts
 
 // ---- settings -------------------------------------------------------------------------------------------------
@@ -27,6 +29,7 @@ async function loadSettings() {
   try {
     const settings = await (await fetch("/api/voices", { signal: AbortSignal.timeout(10000) })).json();
     for (const name of settings.voices) $("voice").append(new Option(name, name));
+    offerModes(settings.modes ?? ["turn", "duplex"]);
     for (const [key, value] of Object.entries(settings.sampling)) $(key).placeholder = `default ${value}`;
     $("top_k").max = settings.max_top_k;
     $("token").hidden = $("token-label").hidden = !settings.token_required;
@@ -34,6 +37,15 @@ async function loadSettings() {
     problem(`Could not read the server's settings: ${e}`);
   }
   for (const key of ["voice", "temperature", "top_k", "top_p", "seed", "token"]) if (page.has(key)) $(key).value = page.get(key);
+}
+
+let modesOffered = ["turn", "duplex"];
+
+function offerModes(modes) {  // a model with a text stream (Moshi's) holds duplex conversations only
+  modesOffered = modes;
+  const radios = [...document.querySelectorAll("input[name=mode]")];
+  for (const radio of radios) radio.disabled = !modes.includes(radio.value);
+  if (radios.some((r) => r.checked && r.disabled)) radios.find((r) => !r.disabled).checked = true;
 }
 
 // Start waits for this (and is off until it settles): the page's query, its token among it, is in the form only then.
@@ -76,7 +88,10 @@ async function start() {
   const ws = new WebSocket(state.url);
   ws.binaryType = "arraybuffer";
   const c = conv = { ws, ctx, stream, node, mode, codec, t0: ctx.currentTime, playAt: 0, you: [], model: [], youEnv: [],
-    modelEnv: [], marks: [], audible: [], speaking: false, quiet: 0, lastLoud: null, opened: false, userStop: false, refused: null };
+    modelEnv: [], marks: [], audible: [], words: [], speaking: false, quiet: 0, lastLoud: null, opened: false,
+    userStop: false, refused: null };
+  state.text = "";
+  $("model-text-body").textContent = ""; $("model-text").hidden = true;
   const onError = (text) => note(`audio: ${text}`);
   if (codec === "opus") {
     c.sender = new OpusSender((page) => send(c, page), { onError });
@@ -123,6 +138,7 @@ function receive(msg) {
   const kind = msg[0], body = msg.subarray(1);
   if (kind === 0) state.handshake = true;
   else if (kind === 1) conv.receiver ? conv.receiver.push(body) : play(fromPcm16(body));
+  else if (kind === 2) text(new TextDecoder().decode(body));
   else if (kind === 4) event(JSON.parse(new TextDecoder().decode(body)));
   else if (kind === 5) serverError(new TextDecoder().decode(body));
 }
@@ -147,6 +163,19 @@ function play(pcm) {  // reply audio, played back to back from when it comes
   conv.playAt += buffer.duration;
   $("model-level").value = level(pcm);
   state.receivedSamples += pcm.length;
+}
+
+function text(piece) {  // the model's text: a piece of its step, sent after that step's audio
+  if (!piece) return;
+  const at = Math.max(clock(), conv.playAt - conv.t0 - BLOCK_S);  // where that audio plays
+  const last = conv.words.at(-1);
+  if (last && !/^\s/.test(piece)) last.text += piece;  // a piece within a word
+  else conv.words.push({ t: at, text: piece.trim() });
+  if (conv.words.length > 400) conv.words.shift();
+  state.text += piece;
+  $("model-text-body").textContent = state.text.trim();
+  $("model-text").hidden = false;
+  $("model-text").scrollTop = $("model-text").scrollHeight;
 }
 
 function event(data) {
@@ -204,6 +233,7 @@ function finish() {
   conv.ctx.close();  // what is still scheduled stops playing
   $("start").disabled = false; $("stop").disabled = true; $("done").disabled = true;
   setDisabled($("settings"), false);
+  offerModes(modesOffered);
   offerWav();
 }
 
@@ -269,7 +299,8 @@ function envelope(env, at, pcm) {  // the peak of each 20 ms slot
 
 function draw(c) {
   if (c !== conv) return;
-  const canvas = $("scope"), g = canvas.getContext("2d"), w = canvas.width, h = canvas.height, mid = h / 2;
+  const canvas = $("scope"), g = canvas.getContext("2d"), w = canvas.width, h = canvas.height;
+  const strip = c.words.length ? 20 : 0, mid = (h - strip) / 2;  // the model's text under its lane
   const now = clock(), from = Math.max(0, now - WINDOW_S), x = (t) => ((t - from) / WINDOW_S) * w;
   g.clearRect(0, 0, w, h);
   g.fillStyle = "#e5e5e0"; g.fillRect(0, mid, w, 1);
@@ -286,8 +317,18 @@ function draw(c) {
   const colors = { stop: "#1f5fa8", first: "#1b7a2e", end: "#555", cut: "#b00" };
   for (const m of conv.marks.filter((m) => m.t >= from)) { g.fillStyle = colors[m.kind]; g.fillRect(x(m.t) - 1, 0, 3, h); }
   g.fillStyle = "#333"; g.font = "13px system-ui";
-  g.fillText("you", 6, 16); g.fillText("model", 6, h - 8);
+  g.fillText("you", 6, 16); g.fillText("model", 6, h - strip - 8);
   g.fillText(`${now.toFixed(1)} s`, w - 60, 16);
+  if (strip) {
+    g.fillStyle = "#e5e5e0"; g.fillRect(0, h - strip, w, 1);
+    g.fillStyle = "#a8431f";
+    let right = -Infinity;  // words that would overlap move right
+    for (const word of c.words.filter((word) => word.t >= from - 2)) {
+      const at = Math.max(x(word.t), right + 4);
+      g.fillText(word.text, at, h - 5);
+      right = at + g.measureText(word.text).width;
+    }
+  }
   if (!conv.finished) requestAnimationFrame(() => draw(c));
 }
 

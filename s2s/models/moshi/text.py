@@ -12,10 +12,12 @@ class TextPieces:
     `existing_text_padding_id` and end-of-padding id 0, which fill the steps between words) give nothing."""
 
     def __init__(self, path: str | Path, padding_ids: tuple[int, ...]):
+        """`padding_ids`: the model's text padding id (what its text says between words), then any others."""
         import sentencepiece
 
         self.path = Path(path)
         self.processor = sentencepiece.SentencePieceProcessor(model_file=str(path))
+        self.padding_id = padding_ids[0]
         self.padding_ids = frozenset(padding_ids)
 
     @property
