@@ -19,6 +19,7 @@ from s2s import PagedBatch, SamplingParams
 from s2s.engine.engine import CodesEvent, Engine, EngineConfig
 from s2s.models.family import load_model
 from s2s.models.moshi.config import MoshiConfig
+from s2s.models.moshi.head_graphs import HeadGraphs
 from s2s.models.moshi.model import MoshiLM
 from s2s.models.moshi.persona import persona_prompt
 from s2s.runner.batch import page_table
@@ -221,3 +222,16 @@ def test_a_shared_persona_prompt_is_computed_once(reference) -> None:
     shared = (prompt.frames - 1) // page * page  # whole pages of the prompt (a match never covers a key's last step)
     assert computed["paged"] >= 4 * (prompt.frames - 1) and hits["paged"] == 0
     assert hits["radix"] == 3 * shared and computed["radix"] <= computed["paged"] - 3 * shared
+
+
+def test_the_head_s_graphs_choose_what_the_head_chooses() -> None:
+    """HeadGraphs (here their eager twin: the same static buffers, padding and fixed ops) give each row what
+    `MoshiLM.head` gives it, greedy and sampled, at batch sizes that fill and pad a bucket."""
+    model = random_moshi()
+    graphs = HeadGraphs(model, max_batch=8, device="cpu", capture=False)
+    for n in (1, 3, 8):
+        state = torch.randn(n, model.moshi.dim, generator=torch.Generator().manual_seed(n))
+        params = [SamplingParams(temperature=[0, 0.8, 1.1][i % 3], top_k=[250, 5, 0][i % 3], seed=i) for i in range(n)]
+        want = model.head(state, params, [p.generator() for p in params])
+        got = graphs.run(state, params, [p.generator() for p in params])
+        assert torch.equal(got, want), n

@@ -29,6 +29,8 @@ class ModelRunner:
         if cuda_graphs and not batch_invariant and self.device.type == "cuda":
             cfg = model.config
             max_pages = math.ceil(cfg.max_position_embeddings / pool.page_size)  # what a window may see
+            if cfg.sliding_window is not None:  # the model's own window: the pages its steps reach (`ContextBound`)
+                max_pages = math.ceil(cfg.sliding_window / pool.page_size) + 1
             self.graphs = DecodeGraphs(model, pool.k, pool.v, pool.page_size, max_batch, max_pages=max_pages)
             self.sampler = model.head_graphs(max_batch, self.device)
         if self.device.type == "cuda":

@@ -170,11 +170,13 @@ def sample_static(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     banned_id: int | None = None,
+    first_codebook: int = 0,
 ) -> torch.Tensor:
     """`sample` with each row's settings as tensors `[S]` (`keys` from `stream_keys`; `top_k` 0: no cut), as one
     fixed sequence of ops whatever the settings, so a CUDA graph can hold it: every row takes the sort of the whole
     vocabulary (`_top_k_top_p`, which with top_p 1 draws what `_top_k` draws). It chooses what `sample` does, but
-    where logits tie at a row's top-k cut (bf16 logits can): `sort` and `topk` may keep different ones of the tied."""
+    where logits tie at a row's top-k cut (bf16 logits can): `sort` and `topk` may keep different ones of the tied.
+    `first_codebook`: as `sample_keyed`'s."""
     vocab = logits.shape[-1]
     logits = logits.float()
     if banned_id is not None:
@@ -183,7 +185,7 @@ def sample_static(
     greedy = logits.argmax(-1)
     scaled = logits / temperature.clamp_min(1e-6)[:, None, None]
     ks = torch.where(top_k > 0, top_k.clamp_max(vocab), vocab)[:, None, None]
-    sampled = _top_k_top_p(scaled, lambda ids: _uniform(keys, ids, vocab), ks, top_p)
+    sampled = _top_k_top_p(scaled, lambda ids: _uniform(keys, ids, vocab, first_codebook), ks, top_p)
     return torch.where((temperature == 0)[:, None], greedy, sampled)
 
 

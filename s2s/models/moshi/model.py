@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,9 @@ from s2s.models.moshi.depformer import Depformer
 from s2s.models.moshi.text import TextPieces
 from s2s.runner.batch import PagedBatch
 from s2s.runner.sampling import RandomStream, SamplingParams, sample_keyed, stream_keys
+
+if TYPE_CHECKING:
+    from s2s.models.moshi.head_graphs import HeadGraphs
 
 
 class MoshiLM(nn.Module):
@@ -95,9 +99,11 @@ class MoshiLM(nn.Module):
         """The backbone's last hidden states are what `head` reads (its final norm is Kyutai's `out_norm`)."""
         return hidden
 
-    def head_graphs(self, max_batch: int, device: torch.device) -> None:
-        """No CUDA graphs of the depformer's sampling yet: `head` runs eagerly."""
-        return None
+    def head_graphs(self, max_batch: int, device: torch.device) -> HeadGraphs:
+        """`head` as CUDA graphs per batch bucket (the depformer's passes and samplings of a round)."""
+        from s2s.models.moshi.head_graphs import HeadGraphs
+
+        return HeadGraphs(self, max_batch, device)
 
     def head(self, state: torch.Tensor, params: list[SamplingParams], streams: list[RandomStream]) -> torch.Tensor:
         """The next step's model codes `[S, 1 + dep_q]` (text, then audio) from the temporal outputs `[S, dim]`. Each
