@@ -8,7 +8,9 @@
 #   bash scripts/gpu_check.sh OUTDIR [TARBALL]     (on the H200 the stages took 46, 22, 32, 24, 203 and about 150 s)
 #   STAGES="graph-tests sweep-small sweep-base" bash scripts/gpu_check.sh OUTDIR     (issue 22's run, not yet made)
 # Environment: PYTHON (python3), DEVICE (cuda), STAGES (all: kernel-tests graph-tests demo model cascade concurrency
-# sweep-small sweep-base).
+# sweep-small sweep-base moshi-7b). moshi-7b (issue 47): Moshi 7B's shape with random bf16 weights made on the GPU,
+# Mimi at full size, a 3,000-step window, duplex conversations in real time at each level; beside it Kyutai's
+# LMGen.step at batch 1 where its `moshi` package imports (PYTHONPATH=.venv-moshi/lib/python3.11/site-packages).
 # The cascade stage needs the project's `bench` extra (pocketsphinx): pip install -e '.[bench]'.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +18,7 @@ out=$1
 tarball=${2:-}
 py=${PYTHON:-python3}
 dev=${DEVICE:-cuda}
-stages=" ${STAGES:-kernel-tests graph-tests demo model concurrency cascade sweep-small sweep-base} "
+stages=" ${STAGES:-kernel-tests graph-tests demo model concurrency cascade sweep-small sweep-base moshi-7b} "
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
@@ -57,4 +59,6 @@ for preset in small base; do
         --modes duplex --levels 16,64,128,256,384,512 --seconds 6 --client-procs 10 --frontends 4 --ramp-s 3 \
         --json "$out/sweep-$preset.json" --plot "$out/sweep-$preset.png"
 done
+stage moshi-7b 300 $py -m server.cli.main bench moshi-scale --shape 7b --device "$dev" --levels 8,16,32,40,48,64,80 \
+    --seconds 8 --json "$out/moshi-7b.json" --plot "$out/moshi-7b.png"
 cat "$out/stages.txt" 2>/dev/null

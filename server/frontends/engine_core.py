@@ -113,7 +113,9 @@ class EngineCore:
         pieces = getattr(engine.model, "text_pieces", None)  # (its tokenizer, by path: a front end loads its own)
         return {
             "model_config": engine.model.config,
-            "text_pieces": None if pieces is None else (str(pieces.path), tuple(sorted(pieces.padding_ids))),
+            "text_pieces": None
+            if pieces is None
+            else (str(pieces.path), (pieces.padding_id, *sorted(pieces.padding_ids - {pieces.padding_id}))),
             "engine_config": engine.cfg,
             "has_codec": engine.tok is not None,
             "snapshot": engine.snapshot(),

@@ -3,7 +3,8 @@ or the beta's flat fields), checked whole, and the session object each dialect s
 
 Every field a client sends is either applied, or accepted because it asks for what this server does anyway (no
 tools, no transcription, the one audio format), or named in an error: nothing is silently ignored. An update with
-any error changes nothing."""
+any error changes nothing. A duplex session (a model that takes its own turns: `server/realtime/duplex.py`) has no
+turn detection to set: only `turn_detection: null`, what it shows, is accepted."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class SessionConfig:
     voice: str | None = None  # a voice prompt's name; None: none
     turn_detection: ServerVad | None = field(default_factory=ServerVad)  # None: the client commits
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    duplex: bool = False  # a full-duplex model's session: no turn detection (`turn_detection` stays None)
 
     def update(self, session: object, beta: bool, voices: list[str], vocab: int) -> SessionConfig:
         """This config with a `session.update`'s `session` applied; `ProtocolError` naming every field it cannot."""
@@ -119,11 +121,13 @@ _AS_IS: dict[str, tuple] = {
 class _Reader:
     def __init__(self, beta: bool, voices: list[str], vocab: int):
         self.beta, self.voices, self.vocab, self.problems = beta, voices, vocab, []
+        self.duplex = False
 
     def read(self, config: SessionConfig, session: object) -> SessionConfig:
         if not isinstance(session, dict):
             self.problems.append("session: must be an object")
             return config
+        self.duplex = config.duplex
         changes: dict = {}
         sampling = dataclasses.asdict(config.sampling)
         for key, value in session.items():
@@ -146,7 +150,8 @@ class _Reader:
                 self._as_is(key, value)
         try:
             changes["sampling"] = SamplingParams(**sampling)
-            if changes["sampling"].top_k > self.vocab:
+            # (what the client sets: the default, 250, may be past a small model's vocabulary, which it then all is)
+            if "top_k" in session and changes["sampling"].top_k > self.vocab:
                 self.problems.append(f"top_k: at most {self.vocab}, the model's vocabulary")
         except (TypeError, ValueError) as e:
             self.problems.append(f"sampling: {e}")
@@ -191,6 +196,12 @@ class _Reader:
     def _turn_detection(self, name: str, value: object, current: ServerVad | None) -> ServerVad | None:
         if value is None:
             return None
+        if self.duplex:
+            self.problems.append(
+                f"{name}: this model is full duplex: it hears the audio as it streams in and takes its own turns, "
+                "so there is no turn detection to set (only null)"
+            )
+            return current
         if not isinstance(value, dict) or value.get("type") != "server_vad":
             kind = value.get("type") if isinstance(value, dict) else value
             self.problems.append(

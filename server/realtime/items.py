@@ -27,6 +27,7 @@ class Item:
     samples: int = 0  # its audio: appended (user), sent (assistant)
     turn: int | None = None  # the engine's turn it is in (a user item's comes with its `committed` event)
     status: str = "completed"
+    transcript: str | None = None  # what it says, where the model has a text stream (an assistant item's)
 
     def view(self) -> dict:
         content = "input_audio" if self.role == "user" else "output_audio"
@@ -36,7 +37,7 @@ class Item:
             "type": "message",
             "role": self.role,
             "status": self.status,
-            "content": [{"type": content, "transcript": None}],
+            "content": [{"type": content, "transcript": self.transcript}],
         }
 
 

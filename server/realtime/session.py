@@ -1,4 +1,5 @@
-"""RealtimeSession: the Realtime API's conversation (items and responses) over a turn-mode conversation in the engine.
+"""RealtimeSession: the Realtime API's conversation (items and responses) over a turn-mode conversation in the engine
+(a model with a text stream, which serves duplex only, has `duplex.py`'s `DuplexSession` instead).
 
 The user's audio streams into the engine as it is appended, so its prefill is done by the end of the turn. A commit
 (the server VAD's end of turn, or the client's) closes the engine's turn (`Engine.commit`), whose `committed` event
@@ -45,6 +46,8 @@ BUSY = "a response is in progress: wait for response.done or send response.cance
 
 
 class RealtimeSession:
+    MODE = "turn"  # the engine's conversation behind it
+
     def __init__(
         self,
         engine: Engine,
@@ -86,9 +89,13 @@ class RealtimeSession:
         voice: str | None = None,
     ) -> RealtimeSession:
         """Raises `Refused` when the engine cannot admit it. `voice`: a voice prompt's name, from the URL."""
-        config = SessionConfig(voice=voice)
-        cid = engine.open("turn", prompt=voice, sampling=config.sampling)
+        config = cls.initial_config(voice)
+        cid = engine.open(cls.MODE, prompt=voice, sampling=config.sampling)
         return cls(engine, conn, cid, config, base_vad, gate, model, metrics)
+
+    @staticmethod
+    def initial_config(voice: str | None) -> SessionConfig:
+        return SessionConfig(voice=voice)
 
     def _apply(self, config: SessionConfig) -> None:
         td = config.turn_detection
@@ -166,7 +173,7 @@ class RealtimeSession:
         if (wait := self.reopened + VOICE_INTERVAL_S - time.monotonic()) > 0:
             raise ProtocolError(f"the voice changes at most once a second: try again in {wait:.1f} s", "rate_limited")
         try:
-            cid = self.engine.open("turn", prompt=config.voice, sampling=config.sampling)
+            cid = self.engine.open(self.MODE, prompt=config.voice, sampling=config.sampling)
         except Refused as e:
             raise ProtocolError(f"refused: {e}", "refused") from e
         self.engine.close(self.cid)
