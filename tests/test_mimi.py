@@ -419,7 +419,7 @@ def test_streaming_decoder_random_chunks_equal_kyutai(kyutai: Refs, toks: Toks, 
 # ---- transformers' MimiModel ---------------------------------------------------------------------------------------
 
 
-def transformers_mimi(folder: Path, seed: int = 0, sliding_window: int = 6) -> MimiModel:
+def transformers_mimi(folder: Path, seed: int = 0, sliding_window: int = 6, num_quantizers: int = 8) -> MimiModel:
     """A tiny random transformers Mimi, saved with `save_pretrained`: the transformers' weights and layer scales
     raised, codebooks fitted to the residuals they quantize, the decoder's last convolution scaled to an audio-like
     level."""
@@ -434,7 +434,7 @@ def transformers_mimi(folder: Path, seed: int = 0, sliding_window: int = 6) -> M
         num_key_value_heads=4,
         head_dim=8,
         intermediate_size=64,
-        num_quantizers=8,
+        num_quantizers=num_quantizers,
         upsample_groups=32,
         sliding_window=sliding_window,
     )

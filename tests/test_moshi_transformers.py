@@ -37,11 +37,11 @@ GENERATION = {"do_sample": True, "temp": 0.6, "top_k": 20, "depth_decoder_config
 CPU = torch.device("cpu")
 
 
-def tiny_moshi(folder: Path, seed: int = 0) -> MoshiForConditionalGeneration:
+def tiny_moshi(folder: Path, seed: int = 0, codebooks: int = CODEBOOKS) -> MoshiForConditionalGeneration:
     """A tiny random transformers Moshi saved in `folder` with a sentencepiece tokenizer: its audio encoder the tiny
     Mimi of test_mimi (codebooks fitted, so that codes vary), its norms random, its text head and per-codebook
     ("flexible") weights drawn with std 1/sqrt(in) (transformers draws the latter with std 1: logits in the 1e4)."""
-    mimi = transformers_mimi(folder / "mimi", seed)
+    mimi = transformers_mimi(folder / "mimi", seed, num_quantizers=max(8, codebooks))
     config = MoshiConfig(
         vocab_size=TEXT_VOCAB,
         hidden_size=64,
@@ -49,7 +49,7 @@ def tiny_moshi(folder: Path, seed: int = 0) -> MoshiForConditionalGeneration:
         num_attention_heads=4,
         num_key_value_heads=4,
         ffn_dim=2 * 176,
-        num_codebooks=CODEBOOKS,
+        num_codebooks=codebooks,
         max_position_embeddings=3000,
         sliding_window=3000,
         audio_encoder_config=mimi.config.to_dict(),
@@ -59,8 +59,8 @@ def tiny_moshi(folder: Path, seed: int = 0) -> MoshiForConditionalGeneration:
             "num_attention_heads": 4,
             "num_key_value_heads": 4,
             "ffn_dim": 2 * 88,
-            "max_position_embeddings": CODEBOOKS + 1,
-            "sliding_window": CODEBOOKS,
+            "max_position_embeddings": codebooks + 1,
+            "sliding_window": codebooks,
         },
     )
     torch.manual_seed(seed)
@@ -120,14 +120,14 @@ def transformers_logits(hf: MoshiForConditionalGeneration, codes: torch.Tensor) 
     return out.logits, audio
 
 
-def random_codes(text_card: int, card: int, seed: int) -> torch.Tensor:
+def random_codes(text_card: int, card: int, codebooks: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     text = torch.randint(0, text_card, (BATCH, 1, STEPS), generator=g)
-    return torch.cat([text, torch.randint(0, card, (BATCH, 2 * CODEBOOKS, STEPS), generator=g)], 1)
+    return torch.cat([text, torch.randint(0, card, (BATCH, 2 * codebooks, STEPS), generator=g)], 1)
 
 
 def assert_logits_equal(model: MoshiLM, hf: MoshiForConditionalGeneration, seed: int) -> None:
-    codes = random_codes(model.moshi.text_card, model.moshi.card, seed)
+    codes = random_codes(model.moshi.text_card, model.moshi.card, model.moshi.dep_q, seed)
     with torch.no_grad():
         ours = model(codes)
         theirs = transformers_logits(hf, codes)
@@ -145,6 +145,14 @@ def test_teacher_forced_logits_equal_transformers(moshi) -> None:
     assert cfg.delays == [0] + 2 * ([0] + [1] * (CODEBOOKS - 1))
     assert cfg.sampling == SamplingDefaults(temp=0.9, temp_text=0.6, top_k=200, top_k_text=20)
     assert_logits_equal(model, hf, seed=1)
+
+
+def test_sixteen_depformer_codebooks_equal_transformers(tmp_path) -> None:
+    """dep_q 16 (n_q 32: transformers' Moshi has as many user codebooks as generated ones)."""
+    hf = tiny_moshi(tmp_path, seed=2, codebooks=16)
+    model = load(tmp_path)
+    assert (model.moshi.dep_q, model.moshi.n_q) == (16, 32)
+    assert_logits_equal(model, hf, seed=3)
 
 
 def test_mimi_from_the_folder_encodes_as_transformers(moshi) -> None:
