@@ -210,8 +210,10 @@ class Session(StepTokens, TurnLifecycle):
         self.user.ensure(frames)
         self.model.ensure(frames)
 
-    def set_prompt(self, prompt: Prompt) -> None:
-        """A prompt becomes frames 0..P-1 of both streams (the user's silent where it gives none)."""
+    def set_prompt(self, prompt: Prompt | np.ndarray) -> None:
+        """A prompt (or a voice's model frames `[K, P]`) becomes frames 0..P-1 of both streams (the user's silent
+        where it gives none)."""
+        prompt = prompt if isinstance(prompt, Prompt) else Prompt(prompt)
         p = prompt.frames
         self._ensure(p + 1)
         self.model[:p] = prompt.model.T
