@@ -25,18 +25,16 @@ from moshi_reference import MOSHI_PYTHON, run_reference, tiny_lm_kwargs, tiny_mi
 from safetensors.torch import load_file, save_file
 from test_realtime import append, client, until
 from test_server import speech
-from tests_support import FRONTENDS, on_engine_thread
+from tests_support import on_engine_thread, served
 from tests_support import until as wait_for
 
 from codec.pcm import SAMPLE_RATE, to_pcm16
 from s2s import AudioEvent, Engine
 from s2s.engine.events import EventQueue
 from s2s.models.moshi.text import TextPieces
-from server.app import ChatServer, ServerOptions
 from server.cli.engine_args import engine_of
 from server.cli.main import parser
 from server.connection import Limits
-from server.frontends.processes import Frontends
 from server.moshi.protocol import ProtocolError
 from server.protocols import Request
 from server.realtime.config import SessionConfig
@@ -340,22 +338,6 @@ class TextIds:
         return [self.ids[f] for f in sorted(self.ids)]
 
 
-async def serve(engine: Engine, body):
-    if FRONTENDS:
-        group = Frontends(engine, ServerOptions(port=0), FRONTENDS)
-        port = await asyncio.to_thread(group.start)
-        try:
-            return await body(f"ws://127.0.0.1:{port}")
-        finally:
-            await asyncio.to_thread(group.stop)
-    server = ChatServer(engine, ServerOptions(port=0))
-    port = await server.start()
-    try:
-        return await body(f"ws://127.0.0.1:{port}")
-    finally:
-        await server.stop()
-
-
 async def stream(engine: Engine, conn, pcm: np.ndarray, ids: TextIds) -> list:
     """`pcm` appended in real time; every event until the engine has computed its frames and every utterance in
     them has its `response.done`."""
@@ -464,7 +446,7 @@ def test_the_sdk_streams_audio_and_gets_each_utterance_as_a_response_with_its_tr
         await wait_for(lambda: not engine.snapshot().conversations, 10, "the conversation stays")
         return errors, events, ids.stop()
 
-    errors, events, ids = asyncio.run(serve(engine, body))
+    errors, events, ids = asyncio.run(served(engine, body))
     assert [e.error.code for e in errors] == ["unsupported_event"] * 4 + ["invalid_session"]
     assert all("full duplex" in e.error.message for e in errors), [e.error.message for e in errors]
     assert not [e for e in events if e.type == "error"], [e for e in events if e.type == "error"]
@@ -492,7 +474,7 @@ def test_a_beta_client_gets_the_beta_names(folder) -> None:
         await wait_for(lambda: not engine.snapshot().conversations, 10, "the conversation stays")
         return events, ids.stop()
 
-    events, ids = asyncio.run(serve(engine, body))
+    events, ids = asyncio.run(served(engine, body))
     kinds = {e.type for e in events}
     assert not kinds & (set(names) | {"conversation.item.done"}), kinds
     assert check(engine, events, ids, names) == 1

@@ -19,17 +19,16 @@ import pytest
 from moshi_reference import run_reference, tiny_lm_kwargs, tiny_mimi_config
 from test_moshi_client import MISSING, MOSHI_PYTHON, pulse
 from test_server import http_get, speech
-from tests_support import FRONTENDS, ServerThread, on_engine_thread, wait_until
+from tests_support import ServerThread, on_engine_thread, served, wait_until
 
 from bench.browser import CHROMIUM, open_page
 from codec.pcm import load_wav, save_wav
 from s2s import AudioEvent, Engine
 from s2s.models.moshi.text import TextPieces
-from server.app import ChatServer, ServerOptions
+from server.app import ServerOptions
 from server.cli.engine_args import engine_of
 from server.cli.main import main, parser
 from server.engine_session import EngineSession, frame_texts
-from server.frontends.processes import Frontends
 from server.moshi import protocol
 from server.moshi.client import talk
 from server.moshi.endpoint import MoshiEndpoint
@@ -177,22 +176,7 @@ def test_s2s_serve_sends_the_text_stream_as_kyutais_server_does(folder) -> None:
         settings = json.loads(await http_get(f"{url}/api/voices"))
         return settings, *await converse(engine, url)
 
-    async def serve() -> tuple:
-        if FRONTENDS:
-            group = Frontends(engine, ServerOptions(port=0), FRONTENDS)
-            port = await asyncio.to_thread(group.start)
-            try:
-                return await body(f"ws://127.0.0.1:{port}")
-            finally:
-                await asyncio.to_thread(group.stop)
-        server = ChatServer(engine, ServerOptions(port=0))
-        port = await server.start()
-        try:
-            return await body(f"ws://127.0.0.1:{port}")
-        finally:
-            await server.stop()
-
-    settings, result, order, ids = asyncio.run(serve())
+    settings, result, order, ids = asyncio.run(served(engine, body))
     assert settings["modes"] == ["duplex"]  # the page offers duplex only
     check(engine, result, order, ids)
 
@@ -202,15 +186,7 @@ def test_the_text_stream_through_a_front_end_process(folder) -> None:
     """The front end builds its own `TextPieces` from the core's hello (the tokenizer's path and padding ids)."""
     engine = serve_engine(folder)
 
-    async def serve() -> tuple:
-        group = Frontends(engine, ServerOptions(port=0), 1)
-        port = await asyncio.to_thread(group.start)
-        try:
-            return await converse(engine, f"ws://127.0.0.1:{port}")
-        finally:
-            await asyncio.to_thread(group.stop)
-
-    check(engine, *asyncio.run(serve()))
+    check(engine, *asyncio.run(served(engine, lambda url: converse(engine, url), frontends=1)))
 
 
 @pytest.mark.paced

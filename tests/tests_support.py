@@ -217,3 +217,21 @@ async def next_snapshot(engine, timeout_s: float = 30.0):
     did to the engine before the call (a refusal counted, a command queued: applied by then)."""
     ticks = engine.snapshot().stats.ticks
     return await snapshot_until(engine, lambda s: s.stats.ticks > ticks + 1, timeout_s, "the engine stopped ticking")
+
+
+async def served(engine: Engine, body: Callable[[str], Any], frontends: int = FRONTENDS) -> Any:
+    """`await body(url)` against a server on `engine` started for it (behind `frontends` front-end processes where
+    more than 0), stopped after."""
+    if frontends:
+        group = Frontends(engine, ServerOptions(port=0), frontends)
+        port = await asyncio.to_thread(group.start)
+        try:
+            return await body(f"ws://127.0.0.1:{port}")
+        finally:
+            await asyncio.to_thread(group.stop)
+    server = ChatServer(engine, ServerOptions(port=0))
+    port = await server.start()
+    try:
+        return await body(f"ws://127.0.0.1:{port}")
+    finally:
+        await server.stop()
