@@ -184,7 +184,7 @@ class S2SModel(nn.Module):
         for m in self.backbone.modules():
             if isinstance(m, RMSNorm):
                 m.eps = self.config.rms_norm_eps
-        self.backbone.rotary = Rotary(self.config.head_dim, self.config.rope_theta).to(self.embeddings.device)
+        self.backbone.rotary = Rotary(self.config.head_dim, self.config.rope_theta)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
