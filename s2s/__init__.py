@@ -18,7 +18,7 @@ _HOMES = {
     "MetaEvent": "s2s.engine.events",
     "EngineSnapshot": "s2s.engine.metrics",
     "S2SModel": "s2s.models.model",
-    "StepOutput": "s2s.models.model",
+    "StepOutput": "s2s.models.paged_step",
     "Refused": "s2s.engine.registry",
     "SamplingParams": "s2s.runner.sampling",
     "sample": "s2s.runner.sampling",
@@ -49,7 +49,8 @@ if TYPE_CHECKING:
     from s2s.engine.metrics import EngineSnapshot
     from s2s.engine.registry import Refused
     from s2s.models.config import ModelConfig
-    from s2s.models.model import S2SModel, StepOutput
+    from s2s.models.model import S2SModel
+    from s2s.models.paged_step import StepOutput
     from s2s.runner.batch import PagedBatch
     from s2s.runner.placement import placement
     from s2s.runner.sampling import SamplingParams, sample

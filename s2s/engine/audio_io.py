@@ -54,19 +54,15 @@ class AudioIO:
             self.decoder.use_graphs(decoder)
         self.user_frames, self.model_frames = user_frames, model_frames
         self.codebook_size, self.stats, self.clock = layout.codebook_size, stats, clock
-        self.text_stream, self.pad_id = layout.text_stream, layout.pad_id
+        self.layout, self.text_stream = layout, layout.text_stream
         # Moshi's frame 0 is its initial token, never spoken (Kyutai's server sends frames from 1 on)
         self.first_sent = 1 if layout.text_stream else 0
         self.frame_s, self.jitter_buffer_s = frame_s, jitter_buffer_s
         if tokenizer is not None:
             silence = tokenizer.encode(np.zeros(tokenizer.frame_size * 16, dtype=np.float32))[0, :, -1:]
-            self.silence_codes = self._frames(silence.cpu().numpy())[:, 0]  # what the codec makes of digital silence
-
-    def _frames(self, codes: np.ndarray) -> np.ndarray:
-        """The codec's codes `[K', n]` as a stream's frames `[K, n]`: behind an empty text slot if the model has one."""
-        if not self.text_stream:
-            return codes
-        return np.concatenate([np.full((1, codes.shape[1]), self.pad_id, dtype=codes.dtype), codes])
+            self.silence_codes = self.layout.as_frames(silence.cpu().numpy())[
+                :, 0
+            ]  # what the codec makes of digital silence
 
     def reset(self, row: int) -> None:
         """A row's codec state back to the start of a stream (a new session, or a reply cut short)."""
@@ -94,7 +90,7 @@ class AudioIO:
                 owners.append(s)
         if rows:
             encoded = zip(owners, (c.numpy() for c in self.encoder.push(chunks, rows)), strict=True)
-            heard += [(s, self._frames(codes)) for s, codes in encoded if codes.shape[-1]]
+            heard += [(s, self.layout.as_frames(codes)) for s, codes in encoded if codes.shape[-1]]
         now = self.clock()
         duplex: dict[int, list[tuple[Session, np.ndarray]]] = {}  # by frame count
         for s, codes in heard:

@@ -105,9 +105,14 @@ class ModelConfig:
             raise ValueError(f"{what} must be [K={self.audio_codebooks}, n >= 1], got {codes.shape}")
         if codes.min() < 0 or codes.max() >= self.codebook_size:
             raise ValueError(f"{what} must lie in [0, {self.codebook_size})")
-        if self.text_stream:
-            codes = np.concatenate([np.full((1, codes.shape[1]), self.pad_id, dtype=np.int64), codes])
-        return codes
+        return self.as_frames(codes)
+
+    def as_frames(self, codes: np.ndarray) -> np.ndarray:
+        """The codec's codes `[audio_codebooks, n]` as a stream's frames `[K, n]`: behind an empty text slot
+        (`pad_id`) with a text stream, else as they are."""
+        if not self.text_stream:
+            return codes
+        return np.concatenate([np.full((1, codes.shape[1]), self.pad_id, dtype=codes.dtype), codes])
 
     @classmethod
     def preset(cls, name: str, num_codebooks: int = 2, **overrides) -> ModelConfig:

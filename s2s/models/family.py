@@ -16,31 +16,26 @@ import torch
 
 from s2s.models.backbone import Backbone
 from s2s.models.config import ModelConfig
-from s2s.models.model import S2SModel, StepOutput
+from s2s.models.model import S2SModel
 from s2s.models.moshi.text import TextPieces
-from s2s.runner.batch import PagedBatch
+from s2s.models.paged_step import StepOutput
 from s2s.runner.sampling import RandomStream, SamplingParams
 
 
 class StepModel(Protocol):
+    """What the engine calls of a model; both families are `PagedStep`s, whose `forward_paged` reads the rest."""
+
     config: ModelConfig  # the step's layout (streams, codebooks, delays, reserved ids) and the K/V pool's shape
     backbone: Backbone  # the stack over the paged pool
     text_pieces: TextPieces | None  # with a text stream: its ids as text
 
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Step tokens `[N, 2K]` at conversation steps `positions` `[N]` -> `[N, H]`, every id checked."""
+
     def embed_checked(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Step tokens `[N, 2K]` at conversation steps `positions` `[N]` -> `[N, H]`, ids already checked."""
+        """`embed` for ids already checked: no host sync (what a CUDA graph holds)."""
 
-    def forward_paged(
-        self,
-        tokens: torch.Tensor,
-        batch: PagedBatch,
-        k_caches: list[torch.Tensor],
-        v_caches: list[torch.Tensor],
-        batch_invariant: bool = False,
-    ) -> StepOutput:
-        """A round: every step's K/V into its pages; each sequence's last step's state for `head`."""
-
-    def step_state(self, hidden: torch.Tensor) -> torch.Tensor:
+    def step_state(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         """The backbone's last hidden states `[S, H]` -> the state `head` samples from (what a CUDA graph ends in)."""
 
     def head(self, state: torch.Tensor, params: list[SamplingParams], streams: list[RandomStream]) -> torch.Tensor:
@@ -48,6 +43,9 @@ class StepModel(Protocol):
 
     def head_graphs(self, max_batch: int, device: torch.device) -> object | None:
         """`head` as CUDA graphs (`fits(n)`, `run(state, params, streams)`), or None where it has none."""
+
+    def forward_paged(self, tokens, batch, k_caches, v_caches, batch_invariant: bool = False) -> StepOutput:
+        """`PagedStep.forward_paged`: a round over the pool."""
 
     def parameters(self): ...
 

@@ -4,7 +4,6 @@ heads; its weights saved, loaded and checked (`save_pretrained`, `from_pretraine
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,19 +14,14 @@ from torch import nn
 
 from s2s.models.backbone import Backbone, Linear, RMSNorm, Rotary, linear_for
 from s2s.models.config import ModelConfig
-from s2s.runner.batch import PagedBatch
+from s2s.models.paged_step import PagedStep
 from s2s.runner.sampling import RandomStream, SamplingParams, sample
 
 if TYPE_CHECKING:
     from s2s.runner.sampling_graphs import SamplingGraphs  # (imports the runner, which imports this)
 
 
-@dataclass
-class StepOutput:
-    state: torch.Tensor  # each sequence's last new step's: what the model's `head` samples the next step from
-
-
-class S2SModel(nn.Module):
+class S2SModel(PagedStep, nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -52,8 +46,8 @@ class S2SModel(nn.Module):
                     nn.init.normal_(p, std=0.02)
         return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Step tokens `[..., 2K]` -> the sum of their 2K embeddings `[..., H]`."""
+    def embed(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Step tokens `[..., 2K]` -> the sum of their 2K embeddings `[..., H]` (`positions`: as `embed_checked`)."""
         cfg = self.config
         if tokens.shape[-1] != cfg.step_width:
             raise ValueError(f"step tokens must have {cfg.step_width} codes, got {tokens.shape[-1]}")
@@ -79,30 +73,9 @@ class S2SModel(nn.Module):
         """Reference, no cache: step tokens `[B, T, 2K]` -> logits `[B, T, K, vocab]` for each next step."""
         return self.logits(self.backbone(self.embed(tokens)))
 
-    def forward_paged(
-        self,
-        tokens: torch.Tensor,
-        batch: PagedBatch,
-        k_caches: list[torch.Tensor],
-        v_caches: list[torch.Tensor],
-        batch_invariant: bool = False,
-    ) -> StepOutput:
-        """Flattened step tokens `[N, 2K]` of a PagedBatch -> next-step logits of each sequence.
-
-        `batch_invariant=True` (CPU, fp32): the K/V each step stores and the logits of each sequence's last step
-        are bitwise the same whatever else is in the batch, the step's position in it, and the chunks its sequence
-        was computed in (one step at a time, one chunk, several), at a fixed thread count. Slower; see
-        `paged_kernels/batch_invariant.py`.
-        """
-        if tokens.shape[0] != batch.positions.shape[0]:
-            raise ValueError(f"{tokens.shape[0]} tokens for a batch of {batch.positions.shape[0]}")
-        hidden = self.backbone.forward_paged(self.embed(tokens), batch, k_caches, v_caches, batch_invariant)
-        last = hidden[batch.cu_seqlens_q[1:].long() - 1]
-        return StepOutput(self.logits(last, linear_for(batch_invariant)))
-
-    def step_state(self, hidden: torch.Tensor) -> torch.Tensor:
+    def step_state(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         """The last hidden states `[S, H]` -> what `head` samples from: the logits `[S, K, vocab]`."""
-        return self.logits(hidden)
+        return self.logits(hidden, linear_for(batch_invariant))
 
     def head(self, state: torch.Tensor, params: list[SamplingParams], streams: list[RandomStream]) -> torch.Tensor:
         """The next step's codes `[S, K]`: each codebook sampled from its logits, never the delay padding."""

@@ -13,6 +13,7 @@ from paged_kernels import batch_invariant as batch_invariant_kernels
 from s2s.models.family import StepModel
 from s2s.runner.batch import PagedBatch, page_table, stack_tables
 from s2s.runner.cuda_graphs import DecodeGraphs
+from s2s.scheduling.context import model_window_pages
 from s2s.scheduling.round_batch import RoundBatch
 
 
@@ -30,7 +31,7 @@ class ModelRunner:
             cfg = model.config
             max_pages = math.ceil(cfg.max_position_embeddings / pool.page_size)  # what a window may see
             if cfg.sliding_window is not None:  # the model's own window: the pages its steps reach (`ContextBound`)
-                max_pages = math.ceil(cfg.sliding_window / pool.page_size) + 1
+                max_pages = model_window_pages(cfg.sliding_window, pool.page_size)
             self.graphs = DecodeGraphs(model, pool.k, pool.v, pool.page_size, max_batch, max_pages=max_pages)
             self.sampler = model.head_graphs(max_batch, self.device)
         if self.device.type == "cuda":

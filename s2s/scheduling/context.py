@@ -38,7 +38,7 @@ class ContextBound:
         """`model_window`: the model's own attention window in steps, which then sets the window (the pages any of
         its steps reach) in place of `window_steps`, with no sink."""
         if model_window is not None:
-            window_pages = math.ceil(model_window / page_size) + 1  # a window's steps span one page more than it
+            window_pages = model_window_pages(model_window, page_size)
         else:
             window_pages = math.ceil(window_steps / page_size)
         rewind = math.ceil((max_reply_frames + max_delay + 2) / page_size) + 1
@@ -75,3 +75,8 @@ class ContextBound:
                 f"a step would see {seen} steps (a sink of {sink_pages} pages and a window of "
                 f"{self.window_pages}), over the model's {limit} positions: shorten the prompt or the window"
             )
+
+
+def model_window_pages(window: int, page_size: int) -> int:
+    """The pages a step of a model whose own window is `window` steps reaches: its window spans one page more."""
+    return math.ceil(window / page_size) + 1

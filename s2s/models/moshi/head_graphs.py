@@ -80,4 +80,3 @@ class HeadGraphs:
             self.graphs[size].replay()
             return self.codes[size][:n].clone()
         return self._head(size)[:n]
-

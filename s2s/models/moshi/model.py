@@ -20,18 +20,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from s2s.models.backbone import Backbone
-from s2s.models.model import StepOutput
 from s2s.models.moshi.config import MoshiConfig
 from s2s.models.moshi.depformer import Depformer
 from s2s.models.moshi.text import TextPieces
-from s2s.runner.batch import PagedBatch
+from s2s.models.paged_step import PagedStep
 from s2s.runner.sampling import RandomStream, SamplingParams, sample_keyed, stream_keys
 
 if TYPE_CHECKING:
     from s2s.models.moshi.head_graphs import HeadGraphs
 
 
-class MoshiLM(nn.Module):
+class MoshiLM(PagedStep, nn.Module):
     def __init__(self, cfg: MoshiConfig):
         super().__init__()
         cfg.check()
@@ -80,22 +79,7 @@ class MoshiLM(nn.Module):
         ids = torch.where(initial, self._initial, read) + self._offsets
         return F.embedding_bag(ids, self.embeddings, mode="sum")
 
-    def forward_paged(
-        self,
-        tokens: torch.Tensor,
-        batch: PagedBatch,
-        k_caches: list[torch.Tensor],
-        v_caches: list[torch.Tensor],
-        batch_invariant: bool = False,
-    ) -> StepOutput:
-        """Flattened step tokens `[N, 2K]` of a PagedBatch -> each sequence's last temporal output `[S, dim]`."""
-        if tokens.shape[0] != batch.positions.shape[0]:
-            raise ValueError(f"{tokens.shape[0]} tokens for a batch of {batch.positions.shape[0]}")
-        x = self.embed(tokens, batch.rope_positions)
-        hidden = self.backbone.forward_paged(x, batch, k_caches, v_caches, batch_invariant)
-        return StepOutput(hidden[batch.cu_seqlens_q[1:].long() - 1])
-
-    def step_state(self, hidden: torch.Tensor) -> torch.Tensor:
+    def step_state(self, hidden: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         """The backbone's last hidden states are what `head` reads (its final norm is Kyutai's `out_norm`)."""
         return hidden
 

@@ -51,5 +51,5 @@ def persona_prompt(
         frames += [(int(i), silence) for i in pieces.processor.encode(f"<system> {text.strip()} <system>")]
         frames += [(pad, silence)] * silence_frames
     model = np.array([[text_id, *audio] for text_id, audio in frames], dtype=np.int64).T
-    user = np.array([[cfg.pad_id, *sine]] * len(frames), dtype=np.int64).T
+    user = cfg.as_frames(np.repeat(sine.astype(np.int64)[:, None], len(frames), axis=1))
     return Prompt(model, user)
