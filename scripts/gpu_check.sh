@@ -48,17 +48,17 @@ eager=()
 stage kernel-tests 90 $py -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py
 stage graph-tests 60 $py -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_sampling_graphs.py tests/test_codec_graphs.py tests/test_transfers.py || eager=(--enforce-eager)
 # the shipped echo model wants float32 (its "most recent" heads hang on exact flag values)
-stage demo 60 $py -m server.cli.main demo --device "$dev" --dtype float32 "${eager[@]}" --out "$out/demo"
-stage model 45 $py -m server.cli.main bench model --quick --device "$dev" --json "$out/model.json" --plot "$out/model.png"
-stage cascade 210 $py -m server.cli.main bench cascade --device "$dev" "${eager[@]}" --silence-ms 200 --rounds 3,2,1 \
+stage demo 60 $py -m server.cli demo --device "$dev" --dtype float32 "${eager[@]}" --out "$out/demo"
+stage model 45 $py -m server.cli bench model --quick --device "$dev" --json "$out/model.json" --plot "$out/model.png"
+stage cascade 210 $py -m server.cli bench cascade --device "$dev" "${eager[@]}" --silence-ms 200 --rounds 3,2,1 \
     --json "$out/cascade.json" --plot "$out/cascade.png"
-stage concurrency 190 $py -m server.cli.main bench concurrency --device "$dev" "${eager[@]}" --seconds 5 \
+stage concurrency 190 $py -m server.cli bench concurrency --device "$dev" "${eager[@]}" --seconds 5 \
     --json "$out/concurrency.json" --plot "$out/concurrency.png"
 for preset in small base; do
-    stage "sweep-$preset" 240 $py -m server.cli.main bench concurrency --device "$dev" "${eager[@]}" --preset "$preset" \
+    stage "sweep-$preset" 240 $py -m server.cli bench concurrency --device "$dev" "${eager[@]}" --preset "$preset" \
         --modes duplex --levels 16,64,128,256,384,512 --seconds 6 --client-procs 10 --frontends 4 --ramp-s 3 \
         --json "$out/sweep-$preset.json" --plot "$out/sweep-$preset.png"
 done
-stage moshi-7b 300 $py -m server.cli.main bench moshi-scale --shape 7b --device "$dev" --levels 8,16,32,40,48,64,80 \
+stage moshi-7b 300 $py -m server.cli bench moshi-scale --shape 7b --device "$dev" --levels 8,16,32,40,48,64,80 \
     --seconds 8 --json "$out/moshi-7b.json" --plot "$out/moshi-7b.png"
 cat "$out/stages.txt" 2>/dev/null

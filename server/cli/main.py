@@ -92,3 +92,7 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"unknown benchmark {args.name!r}; choose from {', '.join(bench_names())}")
         sys.argv = [f"s2s bench {args.name}", *args.rest]
         runpy.run_module(f"bench.{args.name.replace('-', '_')}_bench", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":  # (`python -m server.cli` is the usual way)
+    main()
