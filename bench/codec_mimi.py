@@ -2,8 +2,8 @@
 the same weights (Kyutai's default Mimi, 8 codebooks, seeded random weights made to carry a signal).
 
 Kyutai's side runs in `.venv-moshi` (`bench/mimi_kyutai.py`): its `MimiModel` in `with mimi.streaming(B)`, one 80 ms
-frame a call, at B = 1 and 4. This side: `streaming_encoder(B)` and `streaming_decoder(B)` pushed one frame a call, at
-B = 1, 4 and 16. Both on `--threads` torch threads (1: streams per core). Per side and B: each frame's encode and
+frame a call. This side: `streaming_encoder(B)` and `streaming_decoder(B)` pushed one frame a call. Both at B = 1, 4
+and 16 (`--quick`: 1 and 4), on `--threads` torch threads (1: streams per core). Per side and B: each frame's encode and
 decode time (p50 after the first frames), the real-time streams per core that makes (B x 80 ms over encode + decode,
 over the threads), the first frame's encode and decode on a fresh stream, and whether row 0's codes equal Kyutai's
 and its audio is within 1e-4 of Kyutai's.
@@ -78,18 +78,19 @@ def row(side: str, batch: int, run: dict, threads: int, reference: dict) -> dict
 
 
 def compare(quick: bool, threads: int = 1) -> list[dict]:
-    """Rows for `bench/codec_bench.py`'s table: Kyutai's at B = 1 and 4, this one at 1, 4 and 16."""
+    """Rows for `bench/codec_bench.py`'s table: both at B = 1, 4 and 16 (Kyutai's `MimiModel` batches too)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from mimi_reference import signals  # the reference's signals: row 0 is the same at every B
 
     frames = 12 if quick else 40
     with tempfile.TemporaryDirectory(prefix="mimi-bench-") as tmp:
         out = Path(tmp)
-        theirs = kyutai(out, [1, 4], frames, threads)
+        batches = [1, 4] if quick else [1, 4, 16]
+        theirs = kyutai(out, batches, frames, threads)
         fs = theirs["frame_size"]
         reference = theirs["batches"]["1"]
         rows = [row("Kyutai moshi 0.2.13", int(b), run, threads, reference) for b, run in theirs["batches"].items()]
-        for b in (1, 4) if quick else (1, 4, 16):
+        for b in batches:
             wav = signals(b, frames * fs, 0)
             rows.append(row("s2s MimiTokenizer", b, ours(out / "mimi.safetensors", wav, threads), threads, reference))
     return rows
