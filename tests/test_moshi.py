@@ -182,8 +182,8 @@ def test_decode_graphs_hold_moshi_s_round(n) -> None:
 
 
 def test_the_head_samples_each_row_as_it_would_alone() -> None:
-    """The depformer batched across rows: each row's codes depend only on its own state, settings and stream;
-    greedy equals the argmax chain; a row's sampled codes do not change with what else is in the batch."""
+    """The depformer batched across rows: each row's codes, greedy or sampled, are those it gets alone (its own
+    state, settings and stream; what else is in the batch changes nothing), and lie in their vocabularies."""
     model = random_moshi()
     state = torch.randn(5, model.moshi.dim, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=t, seed=i) for i, t in enumerate([0, 0.8, 0.8, 1.2, 0])]
