@@ -235,3 +235,13 @@ def test_the_head_s_graphs_choose_what_the_head_chooses() -> None:
         want = model.head(state, params, [p.generator() for p in params])
         got = graphs.run(state, params, [p.generator() for p in params])
         assert torch.equal(got, want), n
+
+
+def test_a_layout_the_engine_cannot_step_is_refused() -> None:
+    """The engine's steps hold as many user audio codebooks as generated ones, with the same delays."""
+    with pytest.raises(ValueError, match="8 generated audio codebooks but 0 of the user's"):
+        MoshiConfig.from_kyutai(tiny_lm_kwargs(8, n_q=8), where="config.json")
+    kwargs = tiny_lm_kwargs(4)
+    kwargs["delays"] = [0, 0, 1, 1, 1, 0, 2, 2, 2]
+    with pytest.raises(ValueError, match="audio delays .* differ"):
+        MoshiConfig.from_kyutai(kwargs, where="config.json")

@@ -180,12 +180,14 @@ class MoshiConfig:
             problems.append("dim and depformer_dim must be multiples of their head counts")
         if min(self.delays, default=0) < 0:
             problems.append(f"delays {self.delays} must be >= 0")
+        # the engine's steps hold the same audio codebooks, with the same delays, for both streams
+        model, user = self.delays[1 : 1 + self.dep_q], self.delays[1 + self.dep_q :]
+        if len(user) != self.dep_q:
+            problems.append(f"{self.dep_q} generated audio codebooks but {len(user)} of the user's (served: as many)")
+        elif model != user:
+            problems.append(f"the model's audio delays {model} differ from the user's {user}")
         if problems:
             raise ValueError(f"{where}: bad Moshi configuration: " + "; ".join(problems))
-
-    @property
-    def user_codebooks(self) -> int:
-        return self.n_q - self.dep_q
 
     @property
     def ffn_hidden(self) -> int:
@@ -195,16 +197,6 @@ class MoshiConfig:
     @property
     def depformer_ffn_hidden(self) -> int:
         return 2 * self.depformer_dim_feedforward // 3
-
-    def servable(self) -> str | None:
-        """Why the engine cannot serve it duplex, or None: its steps hold the same audio codebooks, with the same
-        delays, for both streams."""
-        model, user = self.delays[1 : 1 + self.dep_q], self.delays[1 + self.dep_q :]
-        if len(user) != self.dep_q:
-            return f"{self.dep_q} generated audio codebooks but {len(user)} of the user's (the engine needs as many)"
-        if model != user:
-            return f"the model's audio delays {model} differ from the user's {user}"
-        return None
 
     def layout(self) -> ModelConfig:
         """The engine's view: the temporal transformer's shape (the K/V pool's) and the step layout."""
