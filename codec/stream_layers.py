@@ -35,19 +35,25 @@ class Conv1dStep:
 
     `matmul`: computed as one matrix product over the unfolded input instead of torch's convolution (oneDNN), which
     on a CPU is many times slower for wide layers over a few steps (Mimi's 512 -> 1024 channels, kernel 16, over 2
-    steps a frame: ~20 ms against ~2 for 4 rows)."""
+    steps a frame: ~20 ms against ~2 for 4 rows).
 
-    def __init__(self, conv: nn.Conv1d, pad_mode: str, matmul: bool = False):
+    `taps` (stride 1): one matrix product of every tap's weights with the input, whose shifted slices are then summed:
+    no unfolded copy of the input, which for a narrow layer over many steps costs more than the product (EnCodec's
+    16 -> 8 channels, kernel 3, over 1,280 steps for 8 rows: ~0.26 ms against oneDNN's ~0.6-1.1)."""
+
+    def __init__(self, conv: nn.Conv1d, pad_mode: str, matmul: bool = False, taps: bool = False):
         k, s, d = conv.kernel_size[0], conv.stride[0], conv.dilation[0]
         if conv.padding != (0,):
             raise ValueError("a causal convolution pads by itself: the torch convolution must not")
-        if matmul and conv.groups != 1:
+        if (matmul or taps) and conv.groups != 1:
             raise ValueError("a grouped convolution runs as torch's, not as a matrix product")
+        if taps and (matmul or s != 1):
+            raise ValueError("taps are for a convolution of stride 1, not computed as one matrix product")
         self.conv = conv
         self.stride, self.span, self.dilation = s, (k - 1) * d + 1, d
         self.padding = self.span - s
         self.pad_mode = pad_mode
-        self.matmul = matmul
+        self.matmul, self.taps = matmul, taps
 
     def __call__(self, x: torch.Tensor, state: State | None) -> tuple[torch.Tensor, State]:
         if x.shape[-1] % self.stride:
@@ -56,6 +62,8 @@ class Conv1dStep:
         if self.padding:
             x = pad_left(x, self.padding, self.pad_mode) if state is None else torch.cat([state[0], x], dim=-1)
             new_state = (x[..., -self.padding :],)
+        if self.taps:
+            return self._taps(x), new_state
         if not self.matmul:
             return self.conv(x), new_state
         cols = x.unfold(2, self.span, self.stride)[..., :: self.dilation]  # [B, C, T, k]
@@ -64,6 +72,16 @@ class Conv1dStep:
         w = self.conv.weight
         y = F.linear(cols, w.view(w.shape[0], -1), self.conv.bias)
         return y.view(batch, steps, -1).transpose(1, 2), new_state
+
+    def _taps(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.conv.weight  # [C_out, C_in, k]
+        c_out, k, steps = w.shape[0], w.shape[2], x.shape[-1] - self.padding
+        each = torch.matmul(w.permute(2, 0, 1).reshape(k * c_out, -1), x).view(x.shape[0], k, c_out, -1)
+        y = each[:, 0, :, :steps]
+        y = y + self.conv.bias[:, None] if self.conv.bias is not None else y.clone()
+        for j in range(1, k):
+            y += each[:, j, :, j * self.dilation : j * self.dilation + steps]
+        return y
 
 
 class ConvTranspose1dStep:
@@ -156,9 +174,9 @@ class _LSTM:
             outs = []
             for t in range(steps):
                 gates = torch.addmm(gates_in[:, t], h, w_hh)
-                i_g, f_g, g_g, o_g = gates.chunk(4, dim=-1)
-                c = torch.sigmoid(f_g) * c + torch.sigmoid(i_g) * torch.tanh(g_g)
-                h = torch.sigmoid(o_g) * torch.tanh(c)
+                i_g, f_g, _, o_g = gates.sigmoid().chunk(4, dim=-1)  # (one op for three gates: a frame's ops count)
+                c = f_g * c + i_g * torch.tanh(gates[:, 2 * self.hidden : 3 * self.hidden])
+                h = o_g * torch.tanh(c)
                 outs.append(h)
             out = torch.stack(outs, dim=1)
             hs.append(h)
@@ -200,6 +218,26 @@ class ResidualStep:
         return r + h, (s_block, s_short)
 
 
+def _wide(conv: nn.Conv1d | nn.ConvTranspose1d) -> bool:
+    """Whether a convolution of EnCodec's streams as one matrix product (`matmul`): those that read many inputs an
+    output, the strided convolutions into the lower rates and those at the frame rate, and the transposed one out of
+    it. Measured on the shipped codec's layers, a tick's 4 frames on one core at 1 and 8 rows: these took 0.2-0.9x
+    oneDNN's time, but at 8 rows the 128 -> 256 channel one, kernel 16, 0.4-1.2x, and the transposed ones at the
+    upper rates (kernel 10 and below) 0.9-2.5x."""
+    reads = conv.in_channels * conv.kernel_size[0]
+    return reads >= 2048 if isinstance(conv, nn.ConvTranspose1d) else reads >= 448
+
+
+def _tapped(conv: nn.Conv1d) -> bool:
+    """Whether a narrow convolution of EnCodec's streams as `Conv1dStep`'s `taps`: of stride 1, a kernel over 1 and
+    no wider than its 8 to 64 input channels, over many steps (the residual blocks' first at the three upper rates,
+    and the decoder's last). Measured on the shipped codec's, a tick's 4 frames on one core: at 8 rows 0.3-0.8x
+    oneDNN's time (the decoder's last, 16 channels to 1 with kernel 7: 0.3), at 1 row 0.4-1.7x; the encoder's first
+    (1 channel to 16, kernel 7) took 4x, and the block's at 128 channels over 32 steps 1.3x."""
+    k = conv.kernel_size[0]
+    return conv.stride[0] == 1 and 1 < k <= conv.in_channels < 128
+
+
 def _wrap(m: nn.Module) -> Step:
     """EnCodec's transformers layer `m` as a step."""
     from transformers.models.encodec.modeling_encodec import (
@@ -212,11 +250,12 @@ def _wrap(m: nn.Module) -> Step:
     if isinstance(m, EncodecConv1d):
         if not m.causal or m.norm_type != "weight_norm":
             raise ValueError("streaming needs causal convolutions without group norm")
-        return Conv1dStep(m.conv, m.pad_mode)
+        wide = _wide(m.conv)
+        return Conv1dStep(m.conv, m.pad_mode, matmul=wide, taps=not wide and _tapped(m.conv))
     if isinstance(m, EncodecConvTranspose1d):
         if not m.causal or m.trim_right_ratio != 1.0 or m.norm_type != "weight_norm":
             raise ValueError("streaming needs causal transposed convolutions trimmed on the right")
-        return ConvTranspose1dStep(m.conv)
+        return ConvTranspose1dStep(m.conv, matmul=_wide(m.conv))
     if isinstance(m, EncodecLSTM):
         return _LSTM(m)
     if isinstance(m, EncodecResnetBlock):

@@ -210,7 +210,7 @@ def test_top_k_without_nucleus_draws_what_the_sorted_vocabulary_draws() -> None:
         top_k = torch.tensor([250, 50, 1027, 1] * 2, dtype=torch.float)[:, None, None]
         assert torch.equal(_top_k(scaled, noise, top_k, 1027), _top_k_top_p(scaled, noise, top_k, torch.ones(8)))
         same = torch.full_like(top_k, 250)
-        unsorted = _top_k(scaled, noise, same, 250, one_k=True)
+        unsorted = _top_k(scaled, noise, None, 250)  # (every row's k the largest)
         assert torch.equal(unsorted, _top_k_top_p(scaled, noise, same, torch.ones(8)))
 
 
@@ -331,3 +331,16 @@ def test_rope_keeps_float32_frequencies_in_a_bf16_model() -> None:
     bf16 = S2SModel.from_seed(cfg, seed=0, dtype=torch.bfloat16).backbone.rotary.cos_sin(positions, torch.float32)
     for a, b in zip(fp32, bf16, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_cpu_tick_flushes_denormals_and_restores_the_thread_mode() -> None:
+    """The runner's CPU context (`ModelRunner.on_device`, around every tick) computes denormals as zeros, which a
+    CPU otherwise multiplies through a slow microcode assist, and leaves the thread's mode as it found it."""
+    from s2s.runner.model_runner import flushing_denormals
+
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU cannot flush denormals")
+    tiny = torch.tensor([1e-40])
+    with flushing_denormals():
+        assert (tiny * 1.0).item() == 0.0
+    assert (tiny * 1.0).item() != 0.0

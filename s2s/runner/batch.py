@@ -64,22 +64,26 @@ class PagedBatch:
         if (short := np.flatnonzero(lengths * page_size < cached + new)).size:
             s = int(short[0])
             raise ValueError(f"{lengths[s]} pages of {page_size} cannot hold {cached[s] + new[s]} steps")
-        table_t = torch.from_numpy(table)
-        new_t = torch.from_numpy(new)
-        cu = torch.zeros(len(new) + 1, dtype=torch.int32)
-        cu[1:] = new_t.cumsum(0)
-        seq = torch.repeat_interleave(torch.arange(len(new)), new_t)
-        positions = torch.arange(int(cu[-1])) - cu[:-1].long()[seq] + torch.from_numpy(cached)[seq]
-        shift = torch.zeros(len(new), dtype=torch.long) if shifts is None else torch.as_tensor(shifts).long()
+        # on the host in numpy, then each array in one copy: a few dozen elements, where a torch op's dispatch costs
+        # more than its work
+        cu = np.zeros(len(new) + 1, dtype=np.int32)
+        cu[1:] = new.cumsum()
+        seq = np.repeat(np.arange(len(new)), new)
+        positions = np.arange(int(cu[-1])) - cu[:-1][seq] + cached[seq]
+        shift = np.zeros(len(new), dtype=np.int64) if shifts is None else np.asarray(shifts, dtype=np.int64)
         rope = positions + shift[seq]
-        slots = table_t[seq, positions // page_size].long() * page_size + positions % page_size
+        slots = table[seq, positions // page_size].astype(np.int64) * page_size + positions % page_size
+
+        def to_device(array: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(array).to(device)
+
         return cls(
-            positions=positions.to(device),
-            rope_positions=rope.to(device),
-            slot_mapping=slots.to(device),
-            page_table=table_t.to(device),
-            cu_seqlens_q=cu.to(device),
-            seqlens_k=torch.from_numpy(cached + new).to(device),
+            positions=to_device(positions),
+            rope_positions=to_device(rope),
+            slot_mapping=to_device(slots),
+            page_table=to_device(table),
+            cu_seqlens_q=to_device(cu),
+            seqlens_k=to_device(cached + new),
             page_size=page_size,
             new_lens=new.tolist(),
         )

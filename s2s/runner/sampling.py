@@ -14,7 +14,9 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
+import numpy as np
 import torch
 
 
@@ -62,10 +64,12 @@ class RandomStream:
 
 
 MASK32 = 0xFFFFFFFF
+Bits = TypeVar("Bits", torch.Tensor, np.ndarray)
 
 
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """MurmurHash3's 32-bit finalizer on int64 tensors holding 32-bit values (products wrap; the mask keeps 32 bits)."""
+def _fmix32(x: Bits) -> Bits:
+    """MurmurHash3's 32-bit finalizer on int64 tensors (or uint64 arrays) holding 32-bit values (products wrap; the
+    mask keeps 32 bits)."""
     x = x ^ (x >> 16)
     x = (x * 0x85EBCA6B) & MASK32
     x = x ^ (x >> 13)
@@ -74,18 +78,22 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def _keys(streams: list[RandomStream], device: torch.device) -> torch.Tensor:
-    """Each stream's key for its next draw: its seed and draw count hashed to 32 bits, `[S]`."""
-    seeds = torch.tensor([st.seed for st in streams], dtype=torch.int64, device=device)
-    draws = torch.tensor([st.draws for st in streams], dtype=torch.int64, device=device)
+    """Each stream's key for its next draw: its seed and draw count hashed to 32 bits, `[S]`. Hashed on the host in
+    numpy's uint64 (its products wrap as torch's int64 do, and the mask keeps the same 32 bits): forty elementwise
+    ops on a few numbers, which cost torch a dispatch each."""
+    seeds = np.array([st.seed for st in streams], dtype=np.uint64)
+    draws = np.array([st.draws for st in streams], dtype=np.uint64)
     key = _fmix32(_fmix32(seeds & MASK32) ^ (seeds >> 32))
-    return _fmix32(key ^ (draws & MASK32) ^ ((draws >> 32) * 0x9E3779B9 & MASK32))
+    key = _fmix32(key ^ (draws & MASK32) ^ ((draws >> 32) * 0x9E3779B9 & MASK32))
+    return torch.from_numpy(key.astype(np.int64)).to(device)
 
 
 def _uniform(keys: torch.Tensor, ids: torch.Tensor, vocab: int, first_codebook: int = 0) -> torch.Tensor:
     """Numbers in (0, 1) for vocabulary `ids` `[S, K, n]` of rows keyed by `keys` `[S]`: each a hash of (key,
     codebook, id), so it belongs to its id whatever else is drawn; the K codebooks are `first_codebook` on."""
-    codebook = torch.arange(first_codebook, first_codebook + ids.shape[1], device=ids.device)[None, :, None]
-    x = (keys[:, None, None] + (codebook * vocab + ids) * 0x9E3779B9) & MASK32
+    start, stop = first_codebook * vocab, (first_codebook + ids.shape[1]) * vocab
+    codebook = torch.arange(start, stop, vocab, device=ids.device)[None, :, None]  # each codebook's first id
+    x = (keys[:, None, None] + (codebook + ids) * 0x9E3779B9) & MASK32
     return _unit(_fmix32(_fmix32(x)))
 
 
@@ -127,32 +135,46 @@ def sample_keyed(
     if banned_id is not None:
         logits = logits.clone()
         logits[..., banned_id] = float("-inf")
-    greedy = logits.argmax(-1)
+    is_greedy = [p.temperature == 0 for p in params]
+    if all(is_greedy):
+        return logits.argmax(-1)
     keys = keys.to(logits.device)
-    if all(p.temperature == 0 for p in params):
-        return greedy
-
-    sampled = torch.empty_like(greedy)
+    sampled = None
     nucleus = [p.top_p < 1 for p in params]
     for with_nucleus in (True, False):
         rows = [i for i in range(num_seqs) if nucleus[i] == with_nucleus]
         if not rows:
             continue
-        index, chosen = torch.tensor(rows, device=logits.device), [params[i] for i in rows]
-        scaled = logits[index] / logits.new_tensor([max(p.temperature, 1e-6) for p in chosen])[:, None, None]
+        whole = len(rows) == num_seqs  # (the usual round: every row alike, sampled without a gather and a scatter)
+        index = None if whole else torch.tensor(rows, device=logits.device)
+        chosen = [params[i] for i in rows]
+        temperatures = {max(p.temperature, 1e-6) for p in chosen}
+        part, row_keys = (logits, keys) if whole else (logits[index], keys[index])
+        if len(temperatures) == 1:  # (a division by a number: the same quotients as by a tensor of it)
+            scaled = part / temperatures.pop()
+        else:
+            scaled = part / part.new_tensor([max(p.temperature, 1e-6) for p in chosen])[:, None, None]
         ks = [min(p.top_k, vocab) if p.top_k > 0 else vocab for p in chosen]  # a k past the vocabulary: all of it
-        top_k = logits.new_tensor(ks)[:, None, None]
-        row_keys = keys[index]
 
         def noise(ids: torch.Tensor, row_keys: torch.Tensor = row_keys) -> torch.Tensor:
             return _uniform(row_keys, ids, vocab, first_codebook)
 
         if with_nucleus:
-            sampled[index] = _top_k_top_p(scaled, noise, top_k, scaled.new_tensor([p.top_p for p in chosen]))
+            top_p = scaled.new_tensor([p.top_p for p in chosen])
+            drawn = _top_k_top_p(scaled, noise, logits.new_tensor(ks)[:, None, None], top_p)
         else:
-            sampled[index] = _top_k(scaled, noise, top_k, max(ks), one_k=min(ks) == max(ks))
-    is_greedy = logits.new_tensor([p.temperature == 0 for p in params], dtype=torch.bool)[:, None]
-    return torch.where(is_greedy, greedy, sampled)
+            one_k = min(ks) == max(ks)
+            drawn = _top_k(scaled, noise, None if one_k else logits.new_tensor(ks)[:, None, None], max(ks))
+        if whole:
+            sampled = drawn
+        else:
+            if sampled is None:
+                sampled = torch.empty(logits.shape[:2], dtype=torch.long, device=logits.device)
+            sampled[index] = drawn
+    if not any(is_greedy):
+        return sampled
+    greedy_rows = logits.new_tensor(is_greedy, dtype=torch.bool)[:, None]
+    return torch.where(greedy_rows, logits.argmax(-1), sampled)
 
 
 def stream_keys(streams: list[RandomStream]) -> torch.Tensor:
@@ -208,12 +230,13 @@ def _top_k_top_p(scaled: torch.Tensor, noise: Noise, top_k: torch.Tensor, top_p:
     return order.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
 
 
-def _top_k(scaled: torch.Tensor, noise: Noise, top_k: torch.Tensor, largest: int, one_k: bool = False) -> torch.Tensor:
+def _top_k(scaled: torch.Tensor, noise: Noise, top_k: torch.Tensor | None, largest: int) -> torch.Tensor:
     """Gumbel-max within the top-k (no nucleus): `topk` of the `largest` k asked for (known on the host: no device
     sync), not a sort of the whole vocabulary, which was most of a CPU tick's sampling at hundreds of conversations.
-    `one_k`: every row asks for `largest`, so the candidates need no order (an unsorted `topk`, 40 % less on CPU)."""
-    values, ids = scaled.topk(largest, dim=-1, sorted=not one_k)
-    if not one_k:
+    `top_k` None: every row asks for `largest`, so the candidates need no order (an unsorted `topk`, 40 % less on
+    CPU) and no cut."""
+    values, ids = scaled.topk(largest, dim=-1, sorted=top_k is not None)
+    if top_k is not None:
         rank = torch.arange(values.shape[-1], device=scaled.device)
         values = values.masked_fill(rank >= top_k, float("-inf"))
     scores = values + _gumbel(noise(ids))
