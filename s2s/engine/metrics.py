@@ -17,6 +17,7 @@ from s2s.engine.session import Session
 # bucket takes the rest (+Inf). About 1.5x apart from 1 ms to 5 s: p50 and p95 read within a bucket.
 TICK_BUCKETS = (0.001, 0.0015, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2)
 TICK_BUCKETS += (0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0)
+SERVICE_TICKS = 64  # service ticks whose ratio to the fit scales admission's prediction (~3.4 s at 4 frames)
 RECENT_TICKS = 16  # the ticks whose mean time says how busy the engine is now (the turn gate's): ~0.85 s at 4 frames
 
 
@@ -30,7 +31,12 @@ class CostModel:
 
     `pin()` keeps the samples so far (the engine's calibration over several batch sizes) in every later fit: a
     window of service ticks often holds one batch size, whose rounds and steps move together, and could not tell a
-    round's cost from a step's on its own.
+    round's cost from a step's on its own. What the recent service ticks cost beyond the fit scales the prediction:
+    the median of their ratio to it (a server's threads taking the cores and the GIL for its sockets and each
+    stream's audio, which calibration cannot see, and which the pinned samples would otherwise dilute), never
+    below 1. So admission holds from the first tick on what calibration measured, and from the next ticks on what
+    serving costs. (Charged per step instead, a server's per-tick overhead at one stream read as a large cost per
+    step, and a second stream was refused at 30 ms ticks of 53.)
 
     The engine thread observes; admission predicts from callers' threads: a lock keeps the two apart.
     """
@@ -39,6 +45,7 @@ class CostModel:
         self.samples: deque[tuple[int, int, int, float]] = deque(maxlen=window)
         self.pinned: list[tuple[int, int, int, float]] = []
         self._coef: np.ndarray | None = None
+        self._service_ratio = 1.0
         self._dirty = False
         self._lock = threading.Lock()
 
@@ -66,9 +73,10 @@ class CostModel:
             if self._dirty:
                 self._fit()
             coef = self._coef
+            ratio = self._service_ratio
         if coef is None:
             return None
-        return float(coef @ np.array([1.0, rounds, decode_steps, prefill_steps]))
+        return float(coef @ np.array([1.0, rounds, decode_steps, prefill_steps])) * ratio
 
     def _fit(self) -> None:
         self._dirty = False
@@ -79,10 +87,20 @@ class CostModel:
             # little data, or one batch size so far: assume cost proportional to the steps (cautious)
             steps = np.maximum(s[:, 1] + 0.05 * s[:, 2], 1)
             self._coef = np.array([0.0, 0.0, float(np.percentile(s[:, 3] / steps, 90)), 0.0])
-            return
-        x = np.column_stack([np.ones(len(s)), s[:, :3]])
-        coef, *_ = np.linalg.lstsq(x, s[:, 3], rcond=None)
-        self._coef = np.maximum(coef, 0.0)
+        else:
+            x = np.column_stack([np.ones(len(s)), s[:, :3]])
+            coef, *_ = np.linalg.lstsq(x, s[:, 3], rcond=None)
+            self._coef = np.maximum(coef, 0.0)
+        self._service_ratio = self._service_ratio_now() if self.pinned else 1.0
+
+    def _service_ratio_now(self) -> float:
+        """The recent service ticks' time over the fit's: their median, at least 1."""
+        recent = np.asarray(list(self.samples)[-SERVICE_TICKS:], dtype=np.float64).reshape(-1, 4)
+        recent = recent[recent[:, 1] > 0]
+        if not len(recent):
+            return 1.0
+        fitted = np.column_stack([np.ones(len(recent)), recent[:, :3]]) @ self._coef
+        return max(1.0, float(np.median(recent[:, 3] / np.maximum(fitted, 1e-9))))
 
 
 @dataclass
