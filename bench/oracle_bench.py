@@ -7,8 +7,9 @@ Rows, each a recognition rate (the share of takes heard as their own sentence) a
 rate on the same takes:
 - the originals, clean;
 - the codec's round trip, offline at each bandwidth, and streaming (80 ms blocks in, frame by frame out) at 1.5;
-- turn mode through the server (4 conversations at a time, sent at 4x real time, seeded), pcm16 and Ogg/Opus, in
-  each cache mode;
+- turn mode through the server (4 conversations at a time, sent at 2x real time, seeded), pcm16 and Ogg/Opus, in
+  each cache mode, and the share of replies that ended (`reply_done` within the question's length and a second,
+  nothing after it);
 - duplex through the server in real time: the whole echo, its half second of delay included;
 - cross-talk: rounds of 4 conversations at once, each a different sentence, sharing a voice prompt, radix cache with
   48 pages of 16 steps (preemption forced): how many replies are heard as another conversation's sentence.
@@ -30,19 +31,23 @@ from codec.pcm import SAMPLE_RATE
 from s2s import Engine, EngineConfig, S2SModel
 from s2s.models.shipped import shipped
 from server.app import ChatServer, ServerOptions
-from server.moshi.client import talk
+from server.moshi.client import ClientResult, talk
 from speech import oracle
 from speech.sentences import training_sentences
 from speech.voices import TRAIN_VOICES, say
 
+LINGER_S = 0.5  # seconds a turn's client listens on after its reply_done
 CACHE_MODES = ("naive", "paged", "exact", "radix")
 
 
-async def replies(url: str, takes: list[oracle.Take], mode: str, codec: str, at_once: int = 4, **params: str) -> list:
+async def replies(
+    url: str, takes: list[oracle.Take], mode: str, codec: str, at_once: int = 4, **params: str
+) -> list[ClientResult]:
     """Each take spoken to the server at `url`, `at_once` conversations at a time, seeded by its place. Turn mode
     sends at 2x real time (within the server's burst; the reply waits for the end of the turn); duplex in real time,
-    followed by a second of silence, as a microphone goes on, for the echo's delay to pass. Returns the replies'
-    audio; a refused or failed conversation raises."""
+    followed by a second of silence, as a microphone goes on, for the echo's delay to pass. A turn's client stays
+    half a second after its `reply_done`, to hear anything that follows it. Returns the clients' results (`.reply`:
+    the audio); a refused or failed conversation raises."""
     speed, listen, tail = (2.0, 60.0, 0) if mode == "turn" else (1.0, 1.5, SAMPLE_RATE)
     out = []
     for i in range(0, len(takes), at_once):
@@ -56,6 +61,7 @@ async def replies(url: str, takes: list[oracle.Take], mode: str, codec: str, at_
                     codec=codec,
                     speed=speed,
                     listen_s=listen,
+                    linger_s=LINGER_S if mode == "turn" else 0.0,
                     seed=str(i + j),
                     **params,
                 )
@@ -65,7 +71,14 @@ async def replies(url: str, takes: list[oracle.Take], mode: str, codec: str, at_
     failed = [r.errors or ["refused"] for r in out if not r.handshake or r.errors]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(out)} conversations failed: {failed[:3]}")
-    return [r.reply for r in out]
+    return out
+
+
+def ended(take: oracle.Take, result: ClientResult) -> bool:
+    """The reply ended as a turn's must: its `reply_done` came within the question's length and a second, and no
+    audio followed it."""
+    done = result.done_samples
+    return done is not None and done <= len(take.pcm) + SAMPLE_RATE and len(result.reply) == done
 
 
 def serve(model, tok, body, voices: dict | None = None, **engine_kw):
@@ -91,10 +104,15 @@ def serve(model, tok, body, voices: dict | None = None, **engine_kw):
     return asyncio.run(main())
 
 
-def row(what: str, takes: list[oracle.Take], audios: list[np.ndarray], originals: dict[int, bool]) -> dict:
+def row(what: str, takes: list[oracle.Take], got: list, originals: dict[int, bool]) -> dict:
+    """`got`: each take's audio, or the server's `ClientResult` (a turn's: whether the reply `ended` too)."""
+    audios = [g.reply if isinstance(g, ClientResult) else g for g in got]
     rate = oracle.rate(takes, audios)
     base = float(np.mean([originals[id(t)] for t in takes]))
-    return {"what": what, "takes": len(takes), "rate": rate, "originals": base, "relative": rate / base}
+    out = {"what": what, "takes": len(takes), "rate": rate, "originals": base, "relative": rate / base}
+    if "turn" in what:
+        out["ended"] = float(np.mean([ended(t, g) for t, g in zip(takes, got, strict=True)]))
+    return out
 
 
 def cross_talk(model, tok, takes: list[oracle.Take], rounds: int) -> dict:
@@ -109,8 +127,8 @@ def cross_talk(model, tok, takes: list[oracle.Take], rounds: int) -> dict:
 
         got, p = serve(model, tok, body, voices={"shared": prompt}, cache_mode="radix", num_pages=48)
         preempted += p
-        for t, audio in zip(four, got, strict=True):
-            h = oracle.heard(audio)
+        for t, result in zip(four, got, strict=True):
+            h = oracle.heard(result.reply)
             crossed.append(h in {s.index for s in four} - {t.index})
             own += h == t.index
     return {
@@ -167,6 +185,7 @@ def main() -> None:
         ("rate", "heard"),
         ("originals", "originals heard"),
         ("relative", "heard / originals"),
+        ("ended", "replies ended"),
         ("heard_as_another", "heard as another's"),
         ("preempted", "preempted"),
     ]

@@ -3,7 +3,8 @@ sentences, `speech/oracle.py`): each reply must say its own question.
 
 - turn mode, pcm16 and Ogg/Opus, in the naive and the radix cache: recognised at no less than 85 % of the
   originals' rate (every cache mode gives the same replies: tests/test_engine.py, test_engine_codes.py and
-  test_deterministic.py);
+  test_deterministic.py), and every reply ends: its `reply_done` within the question's length and a second,
+  nothing after it;
 - cross-talk: 4 conversations at once with one voice prompt, in the radix cache with pages short enough to force
   preemption: no reply is ever heard as another conversation's sentence;
 - duplex, Opus and pcm16: the echo is recognised at no less than 80 % of the originals' rate;
@@ -16,7 +17,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from bench.oracle_bench import replies
+from bench.oracle_bench import ended, replies
 from bench.oracle_bench import serve as oracle_serve
 from codec import EncodecTokenizer
 from s2s import Engine, EngineConfig, S2SModel, SamplingParams
@@ -59,8 +60,11 @@ def test_turn_replies_say_the_question(parts, takes, originals_rate, cache: str,
         pcm16, opus = replies(url, some[:4], "turn", "pcm16"), replies(url, some[4:], "turn", "opus")
         return sum(await asyncio.gather(pcm16, opus), [])  # all 8 at once
 
-    heard = oracle.rate(some, serve_turns(parts, body, cache_mode=cache))
+    results = serve_turns(parts, body, cache_mode=cache)
+    heard = oracle.rate(some, [r.reply for r in results])
     assert heard >= 0.85 * originals_rate(some), f"{cache}: replies heard {heard:.0%}"
+    unended = [str(t.voice) for t, r in zip(some, results, strict=True) if not ended(t, r)]
+    assert not unended, f"{cache}: replies that did not end within the question and a second, or went on: {unended}"
 
 
 @pytest.mark.paced  # a server at real time: alone and last (tests/conftest.py)
@@ -76,7 +80,7 @@ def test_no_cross_talk_under_preemption(parts, takes) -> None:
 
     got, preemptions = serve_turns(parts, body, voices={"shared": prompt}, cache_mode="radix", num_pages=48)
     assert preemptions > 0, "the pages were not short enough to force preemption"
-    heard = [oracle.heard(a) for t, a in zip(some, got, strict=True)]
+    heard = [oracle.heard(r.reply) for r in got]
     others = [{s.index for s in some} - {t.index} for t in some]
     assert not any(h in o for h, o in zip(heard, others, strict=True)), f"cross-talk: {heard}"
     assert sum(h == t.index for h, t in zip(heard, some, strict=True)) >= 3, heard
@@ -90,7 +94,7 @@ def test_duplex_echo_says_the_question(parts, takes, originals_rate) -> None:
     async def body(url, engine):
         return await replies(url, some[:8], "duplex", "opus") + await replies(url, some[8:], "duplex", "pcm16")
 
-    heard = oracle.rate(some, serve(parts, body, cache_mode="radix"))
+    heard = oracle.rate(some, [r.reply for r in serve(parts, body, cache_mode="radix")])
     assert heard >= 0.8 * originals_rate(some), f"duplex echo heard {heard:.0%}"
 
 

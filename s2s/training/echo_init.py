@@ -62,18 +62,33 @@ USER_FLAGS = [
     "quiet1",
 ]
 MODEL_FLAGS = ["model0_silent", "model1_silent", "model_end", "model0_quiet", "model1_quiet"]
-FLAGS = ["const", "recent_loud", "end_score", "next_quiet0", "no_previous", "before_echo0", "before_echo1"]
+FLAGS = [
+    "const",
+    "recent_loud",
+    "end_score",
+    "end_quiet",
+    "next_quiet0",
+    "next_silent",
+    "no_previous",
+    "before_echo0",
+    "before_echo1",
+]
 FLAGS += USER_FLAGS + MODEL_FLAGS
 FLAGS += ["prev_" + n for n in USER_FLAGS + MODEL_FLAGS] + ["back2_" + n for n in USER_FLAGS]
 FAST_PAIRS = 8  # RoPE pairs 0..7: attention by exact position
 POSITION = 14.0  # query and key size per fast pair: the peak scores 14 x 14 x 8 / sqrt(128) = 139, its neighbours 14
 # less, any distance two or more away 40 less
 SLOW_PAIR = 14  # 2.4e-3 rad a step
+LATEST_PAIR = 13  # 3.7e-3 rad a step: the copy's preference for the latest of equal matches
 MATCH_PAIRS = range(16, 64)  # 1e-3 rad a step or less: the copy's 4 blocks, one dimension of a pair each
 STATIC = 63  # a dimension of the slowest pair: a key no distance turns
 BIG = 450.0  # query and key size of the "most recent" heads' conditions: 450 x 450 / sqrt(128) = 17,900
 SCORE = 128**0.5  # a key unit times a query unit scores 1 / SCORE
 RECENT = 175.0  # and of their slow pair: the score falls by about 5 a step
+MATCH = 184.0  # query and key size of the copy's code blocks: a block's match scores 184 x 184 / sqrt(128) = 3,000
+LATEST = 101.0  # of its latest-match pair: from 30 to 700 steps back the score falls by 0.8 to 2.2 a step, by 1,700
+# in all: under one block's match
+LATEST_OFFSET = 96.0  # steps: where that cosine starts
 CODE_GAIN = 30.0  # a code's logit per unit of O along its vector
 DUPLEX_GAIN = 2.0  # in duplex the echo by position outweighs the copy by content
 START_GAIN = 2.0  # on a reply's first step the start outweighs the copy, which has nothing to go on yet
@@ -161,6 +176,7 @@ def _heads(model: S2SModel, lay: Layout, codes: torch.Tensor, quiet: np.ndarray)
         heads[k, cfg.pad_id, f["const"]] = -25.0 * s
     heads[1, cfg.end_id, f["const"]] = -25.0 * s
     heads[0, cfg.end_id, f["end_score"]] = 100.0 * s
+    heads[0, cfg.end_id, f["end_quiet"]] = 500.0 * s
     heads[0, cfg.end_id, f["user0_silent"]] = 100.0 * s
     heads[0, cfg.end_id, f["next_quiet0"]] = 100.0 * s
     heads[0, cfg.end_id, f["const"]] = -350.0 * s
@@ -205,13 +221,15 @@ class _Layer:
             self.read(self.q[h], i, {d: w * POSITION * np.cos(angle) for d, w in gate.items()})
             self.read(self.q[h], self.half + i, {d: -w * POSITION * np.sin(angle) for d, w in gate.items()})
 
-    def recent(self, h: int, gate: dict[int, float], offset: float = 300.0) -> None:
-        """Head h's score falls steadily with distance: cos(theta (distance + offset)) on the slow pair, the query
-        scaled by `gate`."""
-        c, angle = self.f["const"], self.freqs[SLOW_PAIR] * offset
-        self.read(self.k[h], SLOW_PAIR, {c: RECENT})
-        self.read(self.q[h], SLOW_PAIR, {d: w * RECENT * np.cos(angle) for d, w in gate.items()})
-        self.read(self.q[h], self.half + SLOW_PAIR, {d: w * RECENT * np.sin(angle) for d, w in gate.items()})
+    def recent(
+        self, h: int, gate: dict[int, float], offset: float = 300.0, pair: int = SLOW_PAIR, size: float = RECENT
+    ) -> None:
+        """Head h's score falls steadily with distance: size^2 / SCORE x cos(theta (distance + offset)) on `pair`,
+        the query scaled by `gate`."""
+        c, angle = self.f["const"], self.freqs[pair] * offset
+        self.read(self.k[h], pair, {c: size})
+        self.read(self.q[h], pair, {d: w * size * np.cos(angle) for d, w in gate.items()})
+        self.read(self.q[h], self.half + pair, {d: w * size * np.sin(angle) for d, w in gate.items()})
 
     def carry(self, h: int, pairs: list[tuple[str, str]], gain: float = 1.0, row: int = 0) -> int:
         """Head h's value carries each source (a block or a flag) to its target, from value row `row` on; returns
@@ -283,19 +301,21 @@ class _Layer1(_Layer):
 
     def plant(self) -> None:
         f, c, blk = self.f, self.f["const"], self.lay.block
+        scale = MATCH / 11.0  # the terms below were set against blocks of 11 x 11
         dims = [i for i in MATCH_PAIRS] + [self.half + i for i in MATCH_PAIRS]
         for j, (query, key) in enumerate([("M0", "P0"), ("M1", "P1"), ("N0", "Q0"), ("N1", "Q1")]):
             for d in range(BLOCK):
                 dim = dims[j * BLOCK + d]
-                self.read(self.q[0], dim, {blk[query].start + d: 11.0})
-                self.read(self.k[0], dim, {blk[key].start + d: 11.0})
+                self.read(self.q[0], dim, {blk[query].start + d: MATCH})
+                self.read(self.k[0], dim, {blk[key].start + d: MATCH})
         # step 0 has no previous frame (its P is its own): the copy never attends there
-        self.read(self.k[0], MATCH_PAIRS[0] - 1, {f["user1_pad"]: -25.0})
-        self.read(self.q[0], MATCH_PAIRS[0] - 1, {c: 25.0})
-        # on a turn reply's first copy step (the model's last codebook 0 was its quiet code, the user stream is
-        # silent), when the onset's code recurs, the step after the onset (a loud frame after a quiet or silent one,
-        # or the conversation's first) scores 8 more. Not in duplex, where the model says its quiet code before the
-        # echo: the copy would start a reply there
+        self.read(self.k[0], MATCH_PAIRS[0] - 1, {f["user1_pad"]: -25.0 * scale})
+        self.read(self.q[0], MATCH_PAIRS[0] - 1, {c: 25.0 * scale})
+        # on a turn reply's first two steps (the user's codebook 0 silent, codebook 1 not a step back), when the
+        # onset's code recurs, the step after the onset (a loud frame after a quiet or silent one, or the
+        # conversation's first) scores 0.75 of a block more. Not later in the reply, where the model says its quiet
+        # code when the turn had it (a quiet frame in noise): the copy would start the reply again there; and not
+        # in duplex, where the user stream is never silent
         after_onset = {
             f["prev_loud0"]: 1.0,
             f["back2_quiet0"]: 1.0,
@@ -303,9 +323,18 @@ class _Layer1(_Layer):
             f["prev_user1_pad"]: 1.0,
             c: -1.0,
         }
-        self.read(self.k[0], MATCH_PAIRS[0] - 2, {d: 9.5 * w for d, w in after_onset.items()})
-        self.read(self.q[0], MATCH_PAIRS[0] - 2, {f["prev_model0_quiet"]: 9.5, f["user0_silent"]: 9.5, c: -9.5})
-        self.carry(0, [("U0", "O0"), ("U1", "O1"), ("quiet0", "next_quiet0"), ("user0_silent", "next_quiet0")])
+        self.read(self.k[0], MATCH_PAIRS[0] - 2, {d: 9.5 * scale * w for d, w in after_onset.items()})
+        self.read(
+            self.q[0],
+            MATCH_PAIRS[0] - 2,
+            {f["user0_silent"]: 9.5 * scale, f["prev_user1_silent"]: -9.5 * scale},
+        )
+        # of equal matches the latest: a run of equal frames (a held sound, steady noise) or a pattern that recurs
+        # is left at its end, never looped. From the reply's third step on (the user's codebook 1 silent a step
+        # back): on its first steps the copy starts at the onset, which a later equal match must not outbid
+        self.recent(0, {f["prev_user1_silent"]: 1.0}, LATEST_OFFSET, LATEST_PAIR, LATEST)
+        carried = [("U0", "O0"), ("U1", "O1"), ("quiet0", "next_quiet0"), ("user0_silent", "next_quiet0")]
+        self.carry(0, carried + [("user0_silent", "next_silent")])
         self.carry(1, [("U0", "O0"), ("U1", "O1")], gain=-START_GAIN)
         # head 2, a reply's start: on the step where the user stream turned silent (codebook 0 silent, 1 not yet),
         # the most recent onset: 2 loud0 - recent_loud - 1 is 1 or 2 there, 0 or less elsewhere
@@ -346,3 +375,21 @@ class _Layer1(_Layer):
                 up[u + 1, blk[m].start + d] = -1.0
                 down[f["end_score"], u] = s * s
                 down[f["end_score"], u + 1] = s * s
+        quiet_twice = [f["model0_quiet"], f["prev_model0_quiet"], f["prev_user1_silent"], f["user0_silent"]]
+        self._end_when_all(units, s, quiet_twice)
+        self._end_when_all(units + 1, s, [f["next_silent"], f["user0_silent"]])
+
+    def _end_when_all(self, u: int, s: float, flags: list[int]) -> None:
+        """MLP unit `u` sets `end_quiet` to 1 when every flag in `flags` is 1, else to about 0: silu(G (sum - n +
+        1/2)) is G/2 when all hold and nothing when one fails. Two such units: the model has said its quiet code
+        twice running in a reply past its first steps (the user stream silent, codebook 1 too a step back); or the
+        copy read the turn's end (the step it matched is the reply's first, its user frame silent) while replying.
+        A reply whose copy passed the turn's last loud frame without saying it then ends."""
+        f, mlp, G = self.f, self.layer.mlp, 40.0
+        mlp.gate_proj.weight[u].zero_()
+        mlp.up_proj.weight[u].zero_()
+        for dim in flags:
+            mlp.gate_proj.weight[u, dim] = G * s
+        mlp.gate_proj.weight[u, f["const"]] = -G * (len(flags) - 0.5) * s
+        mlp.up_proj.weight[u, f["const"]] = s
+        mlp.down_proj.weight[f["end_quiet"], u] = 2.0 / G

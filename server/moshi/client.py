@@ -33,6 +33,7 @@ class ClientResult:
     metadata: list[dict] = field(default_factory=list)
     text: list[str] = field(default_factory=list)  # the model's text stream, as its `0x02` messages came
     turn_latency_s: float | None = None  # true end of speech to the first reply audio after it
+    done_samples: int | None = None  # turn mode: reply samples received when the `reply_done` after the speech came
     speech_started: float | None = None  # time.monotonic() when the first speech sample was "spoken"
 
 
@@ -46,6 +47,7 @@ async def talk(
     end_turn: bool = True,
     on_audio: Callable[[tuple[float, int]], None] | None = None,
     on_text: Callable[[str], None] | None = None,
+    linger_s: float = 0.0,
     **params: str,
 ) -> ClientResult:
     """Send `speech` in 80 ms blocks at `speed` x real time, then (turn mode, unless `end_turn=False`, which leaves
@@ -54,6 +56,7 @@ async def talk(
     costs nothing. In duplex, where the server answers each frame it hears with one, the listening goes on while the
     reply still comes (a slow server catching up): until `listen_s` has passed with no audio, for three times the
     speech's length more at most.
+    In turn mode the client stays `linger_s` seconds after that `reply_done`: what comes then is in `reply` too.
     `on_audio((arrival time, samples))` is called for each audio message received, `on_text(piece)` for each text
     message (a model with a text stream: Moshi's inner monologue)."""
     query = "&".join(f"{k}={v}" for k, v in {"mode": mode, "codec": codec, **params}.items())
@@ -102,7 +105,9 @@ async def talk(
                     result.errors.append(message[1:].decode(errors="replace"))
                 elif kind == Kind.METADATA:
                     result.metadata.append(metadata_of(message))
-                    if end_of_speech is not None and result.metadata[-1].get("event") == "reply_done":
+                    done = end_of_speech is not None and result.metadata[-1].get("event") == "reply_done"
+                    if done and not reply_done.is_set():
+                        result.done_samples = sum(len(c) for c in chunks)
                         reply_done.set()
 
         reader = asyncio.create_task(receive())
@@ -119,6 +124,7 @@ async def talk(
             if mode == "turn":
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(reply_done.wait(), listen_s)
+                    await asyncio.sleep(linger_s)
             else:
                 cap = end_of_speech + listen_s + 3 * len(speech) / SAMPLE_RATE / speed
                 while (wait := min(max(end_of_speech, last_audio) + listen_s, cap) - time.monotonic()) > 0:
