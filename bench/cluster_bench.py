@@ -10,7 +10,13 @@ would. Per routing: the prefix cache's hit rate and the steps computed as prefil
 and after), first audio (end of speech to the first reply audio) p50/p95, and p50 after the burst, refused attempts,
 and the spread of
 conversations over replicas. Then, on the voice-routed cluster, a wave of conversations with one replica drained
-in the middle of it (`s2s cluster drain`): how many it cut, and how long the drain took."""
+in the middle of it (`s2s cluster drain`): how many it cut, and how long the drain took.
+
+    s2s bench cluster [--quick] [--model DIR | --preset NAME] [--conversations 48] [--voices 8] [--json PATH]
+
+The replicas serve the weights a user runs: by default the shipped codec and echo model (what `s2s serve` serves with
+no flags), or `--model DIR`, or `--preset NAME` (seeded weights, as the figures before issue 48 were); each row's
+`model` says which."""
 
 from __future__ import annotations
 
@@ -22,7 +28,19 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import SENTENCES, environment, parser, percentiles, print_table, save_outputs, scrape, write_json
+from bench.common import (
+    SENTENCES,
+    ModelChoice,
+    add_model_args,
+    environment,
+    model_choice,
+    parser,
+    percentiles,
+    print_table,
+    save_outputs,
+    scrape,
+    write_json,
+)
 from codec.pcm import SAMPLE_RATE, save_wav
 from server.cluster.control import ask
 from server.moshi.client import talk
@@ -155,7 +173,7 @@ def _status(run_dir: Path) -> list[dict]:
 
 def main() -> None:
     p = parser("cluster", __doc__.splitlines()[0])
-    p.add_argument("--preset", default="tiny", help="model preset of the replicas (seeded weights)")
+    add_model_args(p)
     p.add_argument("--conversations", type=int, default=48)
     p.add_argument("--voices", type=int, default=8)
     p.add_argument("--prompt-seconds", type=float, default=6.0, help="length of each voice prompt")
@@ -170,6 +188,7 @@ def main() -> None:
         "share 2 cores, so that every arrival spills: routing cannot then matter); turn mode has no frame deadline",
     )
     args = p.parse_args()
+    choice = model_choice(args)
     if args.quick:
         args.conversations, args.voices, args.prompt_seconds = 12, 4, 3.0
     rows = []
@@ -186,24 +205,23 @@ def main() -> None:
                 balance,
                 "--balance-factor",
                 str(args.balance_factor),
-                "--preset",
-                args.preset,
+                *choice.serve_args(),
                 "--threads",
                 "1",
                 "--prompts",
                 str(folder),
             ]
-            cluster += ["--max-reply-frames", "20", "--max-conversations-per-client", "0"]
+            cluster += ["--max-reply-frames", str(choice.frames(20)), "--max-conversations-per-client", "0"]
             cluster += ["--admission-headroom", str(args.admission_headroom)]
             with ServerProcess(*cluster, subcommand="cluster", timeout_s=300) as url:
                 urls = replica_urls(run_dir)
                 before = counters(urls)
                 done = asyncio.run(arrivals(url, voices, pcm, args.gap))
                 row = summary(done, before, counters(urls))
-                rows.append(_row("measured", balance, args, row))
+                rows.append(_row("measured", balance, args, choice, row))
                 if balance == "voice":
                     wave = asyncio.run(drained_wave(url, run_dir, voices, questions(len(voices), 3.0)))
-                    rows.append(_row("scale-down", balance, args, wave))
+                    rows.append(_row("scale-down", balance, args, choice, wave))
             write_json(args.json, rows)
     columns = [
         ("routing", "routing"),
@@ -221,7 +239,7 @@ def main() -> None:
     measured = [r for r in rows if r["phase"] == "measured"]
     tables = print_table(
         f"{args.conversations} conversations over {args.voices} voice prompts of {args.prompt_seconds:g} s, half in a "
-        f"burst, then one per {args.gap:g} s; 3 `{args.preset}` replicas (seeded, 1 thread each) behind HAProxy, "
+        f"burst, then one per {args.gap:g} s; 3 replicas ({choice.label}, 1 thread each) behind HAProxy, "
         f"{environment()['host_cpus']} CPUs",
         measured,
         columns,
@@ -239,12 +257,13 @@ def main() -> None:
     save_outputs(args, rows, tables)
 
 
-def _row(phase: str, balance: str, args, measured: dict) -> dict:
+def _row(phase: str, balance: str, args, choice: ModelChoice, measured: dict) -> dict:
     return {
         "bench": "cluster",
         "phase": phase,
         "routing": f"voice (consistent, bounded {args.balance_factor})" if balance == "voice" else "round robin",
-        "preset": args.preset,
+        "model": choice.label,
+        "preset": choice.preset,
         "replicas": 3,
         "conversations": args.conversations,
         "voices": args.voices,

@@ -1,14 +1,16 @@
 """Concurrency benchmark: duplex and turn sweeps through the real server, clients over websockets.
 
-    s2s bench concurrency [--quick] [--json PATH] [--plot PATH] [--preset small] [--levels 1,2,4,8,16,32]
+    s2s bench concurrency [--quick] [--json PATH] [--plot PATH] [--model DIR | --preset NAME] [--levels 1,2,4,8,16,32]
         [--modes duplex,turn] [--client-procs P] [--ramp-s 3.2]
 
-`s2s serve` runs in a child process (its own GIL, as in use), one per mode, on the offline default model (`--preset`,
-seeded weights) with 4-frame ticks and one torch thread (`--threads`; on 2 cores, per-op thread overhead dominates at
-these shapes and a second thread fights the clients and the event loop). For each level N, N clients (asyncio, pcm16
-to keep their own CPU low on a 2-core machine; in this process, or spread over `--client-procs` processes of their
-own, so that hundreds of real-time clients do not share one event loop) connect 0.1 s apart (`--ramp-s` / N apart
-beyond 32) and stream espeak-ng speech in real time (80 ms blocks, as Moshi's client does). Measured per level:
+`s2s serve` runs in a child process (its own GIL, as in use), one per mode, on the weights a user runs: by default the
+shipped codec and echo model (what `s2s serve` serves with no flags), or `--model DIR` (a model folder), or `--preset
+NAME` (seeded weights); each row's `model` says which. Ticks of 4 EnCodec frames (53 ms; on a codec of longer frames,
+the frames closest to that) and one torch thread (`--threads`; on 2 cores, per-op thread overhead dominates at these
+shapes and a second thread fights the clients and the event loop). For each level N, N clients (asyncio, pcm16 to keep
+their own CPU low on a 2-core machine; in this process, or spread over `--client-procs` processes of their own, so that
+hundreds of real-time clients do not share one event loop) connect 0.1 s apart (`--ramp-s` / N apart beyond 32) and
+stream espeak-ng speech in real time (80 ms blocks, as Moshi's client does). Measured per level:
 - duplex `latency_ms`: output lag, when each reply chunk's last sample arrives minus when the user spoke the sample
   at the same position (the client sends an 80 ms block once it is spoken, as a microphone does): the block, the
   engine's tick and jitter, the network;
@@ -37,9 +39,11 @@ from tqdm import tqdm
 from bench.common import (
     SENTENCES,
     add_device_args,
+    add_model_args,
     device_name,
     device_server_args,
     environment,
+    model_choice,
     parser,
     percentiles,
     print_table,
@@ -47,13 +51,10 @@ from bench.common import (
     scrape,
     write_json,
 )
-from codec import EncodecTokenizer
 from codec.pcm import SAMPLE_RATE
 from server.moshi.client import talk
 from server.process import ServerProcess
 from speech.sample import speech
-
-FRAME_S = EncodecTokenizer.frame_size / SAMPLE_RATE  # the server serves the shipped codec: its frames are theirs
 
 
 def rss_bytes(pid: int) -> int:
@@ -207,7 +208,7 @@ async def run_level(
 
 def main() -> None:
     p = parser("concurrency", __doc__.splitlines()[0])
-    p.add_argument("--preset", default="small", help="model preset of the server (seeded weights)")
+    add_model_args(p)
     p.add_argument("--levels", default="1,2,4,8,16,32", help="numbers of concurrent conversations")
     p.add_argument("--seconds", type=float, default=8.0, help="speech per client")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server (0: the server's default)")
@@ -225,12 +226,15 @@ def main() -> None:
         raise SystemExit(f"--modes takes duplex and turn, --client-procs 0 or more: {args.modes}, {args.client_procs}")
     if args.quick:
         levels, args.seconds = [1, 2, 4], 3.0
-    serve_args = ["--preset", args.preset, "--frames-per-tick", "4", "--max-reply-frames", "225"]
+    choice = model_choice(args)  # (its frames: the served codec's, which the ticks, replies and pages are sized in)
+    frames_per_tick = choice.frames(4)
+    serve_args = [*choice.serve_args(), "--frames-per-tick", str(frames_per_tick)]
+    serve_args += ["--max-reply-frames", str(choice.frames(225))]  # 3 s
     serve_args += ["--threads", str(args.threads), *device_server_args(args)]
     serve_args += ["--max-conversations-per-client", "0"]  # every client connects from this host
     if args.frontends is not None:
         serve_args += ["--frontends", str(args.frontends)]
-    pages = max(levels) * (math.ceil((args.seconds + 1) / FRAME_S / 16) + 2)  # each one's speech, and its reply
+    pages = max(levels) * (math.ceil((args.seconds + 1) / choice.frame_s / 16) + 2)  # each one's speech, and its reply
     serve_args += ["--max-conversations", str(max(32, max(levels))), "--kv-pages", str(max(4096, pages))]
     device = device_name(args.device)
     pcm = utterances(args.seconds, max(levels))
@@ -247,8 +251,10 @@ def main() -> None:
                         "bench": "concurrency",
                         "workload": f"{mode} speech {args.seconds:g} s per client",
                         "mode": mode,
-                        "preset": args.preset,
-                        "frames_per_tick": 4,
+                        "model": choice.label,
+                        "preset": choice.preset,
+                        "frames_per_tick": frames_per_tick,
+                        "frame_ms": 1000 * choice.frame_s,
                         "server_threads": args.threads,
                         "server_device": device,
                         "cuda_graphs": not args.enforce_eager,
@@ -283,7 +289,7 @@ def main() -> None:
         ("peak_mem_bytes", "peak RSS B"),
     ]
     tables = print_table(
-        f"Concurrency through `s2s serve` ({args.preset}, seeded, 4-frame ticks, {device}): "
+        f"Concurrency through `s2s serve` ({choice.label}, {frames_per_tick}-frame ticks, {device}): "
         "duplex latency = output lag, "
         "turn latency = end of speech to first reply audio",
         rows,
@@ -309,7 +315,7 @@ def plot(rows: list[dict], path, device: str) -> None:
         ax.set_xlabel("concurrent conversations")
         ax.set_title(title)
         ax.legend()
-    fig.suptitle(f"Concurrency through the server, {rows[0]['preset']} preset, {device}")
+    fig.suptitle(f"Concurrency through the server, {rows[0]['model']}, {device}")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -1,20 +1,21 @@
 """What the server's front end costs per stream: the CPU time of the websockets, Ogg/Opus both ways and the engine
 calls per second of duplex conversation, the figure a front-end process is sized by.
 
-    s2s bench frontend [--quick] [--levels 1,2,4] [--frontends 0,1] [--seconds 8] [--client-procs 2] [--json PATH]
-        [--plot PATH]
+    s2s bench frontend [--quick] [--levels 1,2,4] [--frontends 0,1] [--seconds 8] [--client-procs 2]
+        [--model DIR | --preset NAME] [--json PATH] [--plot PATH]
 
-`s2s serve` (the shipped codec and echo model, one torch thread, 4-frame ticks) runs in a child process, once with
-each `--frontends` count, side by side; for each level N, N clients in `--client-procs` processes of their own stream
-espeak-ng speech in real time as Ogg/Opus in duplex (`bench/concurrency_bench.py`'s clients) and read the reply. CPU
-times are read from /proc before and after. With front-end processes, theirs (every thread) is the front end's and
-the server process's is the engine's. In one process (`--frontends 0`), its main thread runs the event loop, so that
-thread's time is the front end's (duplex runs no VAD) and the rest (the engine thread, torch's workers) the
-engine's. Per level: CPU seconds per stream-second of each, and the streams one core of front-end time carries (1 /
-the first), over the whole level (connections opened and closed, the half second each listens after its speech) and
-in its steady state: from a second after the last client started to half a second before the first one's speech
-ends, when all N stream both ways (what a front end costs per conversation that lasts minutes). `tail_s`: how long
-the level ran past the last client's speech, under 1.5 s when the engine keeps up (the echo's delay, then the
+`s2s serve` (by default the shipped codec and echo model, what `s2s serve` serves with no flags; or `--model DIR`; or
+`--preset NAME`, a seeded model over the shipped codec, admitting by count only; one torch thread, 4-frame ticks) runs
+in a child process, once with each `--frontends` count, side by side; for each level N, N clients in `--client-procs`
+processes of their own stream espeak-ng speech in real time as Ogg/Opus in duplex (`bench/concurrency_bench.py`'s
+clients) and read the reply. CPU times are read from /proc before and after. With front-end processes, theirs (every
+thread) is the front end's and the server process's is the engine's. In one process (`--frontends 0`), its main thread
+runs the event loop, so that thread's time is the front end's (duplex runs no VAD) and the rest (the engine thread,
+torch's workers) the engine's. Per level: CPU seconds per stream-second of each, and the streams one core of front-end
+time carries (1 / the first), over the whole level (connections opened and closed, the half second each listens after
+its speech) and in its steady state: from a second after the last client started to half a second before the first
+one's speech ends, when all N stream both ways (what a front end costs per conversation that lasts minutes). `tail_s`:
+how long the level ran past the last client's speech, under 1.5 s when the engine keeps up (the echo's delay, then the
 client listens); more when its replies fall behind the speech, and then less reply audio flows in the steady window
 than in real time, so the steady figure overstates what a front end carries. Each server's start (to its "serving"
 line) and resident sizes before its first stream (the engine's process, and the largest front end's) go in its rows.
@@ -34,7 +35,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from bench.common import environment, parser, print_table, save_outputs, write_json
+from bench.common import add_model_args, environment, model_choice, parser, print_table, save_outputs, write_json
 from bench.concurrency_bench import client_pool, dealt, rss_bytes, utterances
 from codec.pcm import SAMPLE_RATE
 from s2s.models.shipped import shipped
@@ -125,21 +126,19 @@ def main() -> None:
     p.add_argument("--frontends", default="0,1", help="front-end process counts, each a server of its own")
     p.add_argument("--seconds", type=float, default=8.0, help="speech per stream")
     p.add_argument("--client-procs", type=int, default=2, help="processes for the clients")
-    p.add_argument(
-        "--preset",
-        default=None,
-        help="a seeded model of this shape instead of the echo model (the shipped codec still): a cheaper engine "
-        "keeps up with more streams, and admits by count only",
-    )
+    add_model_args(p, preset_codec="the shipped codec: a cheaper engine keeps up with more streams")
     args = p.parse_args()
+    choice = model_choice(args)
     levels = [1, 2] if args.quick else [int(x) for x in args.levels.split(",")]
     seconds = 4.0 if args.quick else args.seconds
     pcm = utterances(seconds, max(levels))
-    serve_args = ["--threads", "1", "--frames-per-tick", "4", "--max-conversations-per-client", "0"]
-    if args.preset:
-        serve_args += ["--preset", args.preset, "--codec", str(shipped("codec")), "--admission-headroom", "inf"]
+    serve_args = [*choice.serve_args(), "--threads", "1", "--frames-per-tick", str(choice.frames(4))]
+    serve_args += ["--max-conversations-per-client", "0"]
+    if choice.preset is not None:  # the shipped codec still, and admission by count only
+        serve_args += ["--codec", str(shipped("codec")), "--admission-headroom", "inf"]
+    label = f"{choice.label}, shipped codec" if choice.preset is not None else choice.label
     pool = client_pool(args.client_procs)
-    rows, env = [], environment()
+    rows, env = [], {"model": label, "preset": choice.preset, **environment()}
     with pool:
         for frontends in [int(x) for x in args.frontends.split(",")]:
             server, started = ServerProcess(*serve_args, "--frontends", str(frontends)), time.monotonic()
@@ -170,7 +169,7 @@ def main() -> None:
         ("frontend_rss_mb", "front-end RSS MB"),
         ("reply_audio_s", "reply audio s"),
     ]
-    tables = print_table("The server's front end per duplex Ogg/Opus stream", rows, columns)
+    tables = print_table(f"The server's front end per duplex Ogg/Opus stream ({label})", rows, columns)
     fig, ax = plt.subplots(figsize=(6, 4))
     for count in sorted({r["frontends"] for r in rows}):
         mine = [r for r in rows if r["frontends"] == count]

@@ -1,12 +1,16 @@
 """Hostile clients and careless operators: each finding of issues 25 and 45, measured on the code before and this
 checkout side by side, in one run.
 
-    s2s bench hostile --before PATH [--quick] [--json PATH] [--plot PATH]
+    s2s bench hostile --before PATH [--quick] [--model DIR | --preset NAME] [--json PATH] [--plot PATH]
 
 Each tree's servers run in child processes: this venv's Python with the tree first on its path (`--before`: a
-worktree of an older commit). The speech server is `s2s serve --preset tiny --admission-headroom 1000` (none is
-refused: what is measured is what a client does to the others); the cascade `python -m bench.cascade.serve`. Per
-tree, each on a fresh server:
+worktree of an older commit). The speech server is `s2s serve --admission-headroom 1000` (none is refused: what is
+measured is what a client does to the others) on the weights a user runs: by default each tree's shipped codec and
+echo model (what its `s2s serve` serves with no flags), or `--model DIR`, or `--preset NAME` (seeded weights; `tiny`
+is what the figures before issue 48 ran); each row's `model` says which. The cascade is `python -m
+bench.cascade.serve`, whose text decoder is a preset's: `--preset NAME`'s, else tiny's beside `--model DIR` or this
+checkout's shipped echo model. The operators' probes start servers of their own, on `--preset tiny`. Per tree, each on
+a fresh server:
 - hostile input (`bench/hostile/input.py`, issue 25): out-of-range settings, a foreign `Origin`, the `Server`
   header, one 1 MiB message beside a duplex stream, Opus garbage, slots taken by bad seeds, the cascade's token;
 - a VAD flood (`bench/hostile/churn.py`): a Realtime client alternating two `server_vad` settings with 480-byte
@@ -33,10 +37,20 @@ import subprocess
 import time
 from pathlib import Path
 
-from bench.common import add_device_args, device_server_args, environment, parser, print_table, save_outputs
+from bench.common import (
+    add_device_args,
+    add_model_args,
+    device_server_args,
+    environment,
+    model_choice,
+    parser,
+    print_table,
+    save_outputs,
+)
 from bench.hostile.churn import backlog, churn, vad_flood
 from bench.hostile.input import TOKEN, cascade, inputs
 from bench.hostile.operators import operators
+from s2s.models.shipped import shipped
 from server.process import ServerProcess
 
 HERE = Path(__file__).resolve().parents[1]
@@ -48,8 +62,8 @@ def revision(tree: Path) -> str:
     ).stdout.strip()
 
 
-def measure(tree: Path, serve_args: list[str], quick: bool) -> dict[str, object]:
-    """Every finding against servers from `tree`."""
+def measure(tree: Path, serve_args: list[str], cascade_args: list[str], quick: bool) -> dict[str, object]:
+    """Every finding against servers from `tree`: `s2s serve SERVE_ARGS`, the cascade's server with CASCADE_ARGS."""
     os.environ.update(PYTHONPATH=str(tree), PYTHONSAFEPATH="1")  # the tree's code first, not the working directory
     with (server := ServerProcess(*serve_args, timeout_s=600)) as url:  # a first use builds the C++ kernel
         values = asyncio.run(inputs(url, server.proc.pid, quick))
@@ -60,7 +74,7 @@ def measure(tree: Path, serve_args: list[str], quick: bool) -> dict[str, object]
     with (server := ServerProcess(*serve_args, timeout_s=600)) as url:
         values.update(asyncio.run(churn(url, server.proc.pid, quick)))
     del os.environ["MALLOC_MMAP_THRESHOLD_"]
-    with ServerProcess(*serve_args, "--token", TOKEN, module="bench.cascade.serve", timeout_s=600) as url:
+    with ServerProcess(*cascade_args, "--token", TOKEN, module="bench.cascade.serve", timeout_s=600) as url:
         values.update(asyncio.run(cascade(url)))
     values.update(operators(quick))
     return values
@@ -70,22 +84,28 @@ def main() -> None:
     p = parser("hostile", __doc__.splitlines()[0])
     p.add_argument("--before", type=Path, required=True, help="a worktree of the code before, measured first")
     p.add_argument("--threads", type=int, default=1, help="torch threads of the servers")
+    add_model_args(p)
     add_device_args(p)
     args = p.parse_args()
+    choice = model_choice(args)
     # admission's cost model learns on this loaded machine and may refuse a probe's second conversation: what is
     # measured here is what each conversation does to the others, not admission
-    serve_args = ["--preset", "tiny", "--threads", str(args.threads), "--admission-headroom", "1000"]
-    serve_args += device_server_args(args)
+    common = ["--threads", str(args.threads), "--admission-headroom", "1000", *device_server_args(args)]
+    serve_args = [*choice.serve_args(), *common]
+    # the cascade's text decoder is a preset's (tiny but for --preset); its speech, the model folder's or the shipped
+    cascade_args = ["--preset", choice.preset or "tiny", *common]
+    if choice.preset is None:
+        cascade_args += ["--model", str(choice.folder or shipped("model"))]
     trees = {"before": args.before.resolve(), "after": HERE}
     started = time.monotonic()
-    values = {name: measure(tree, serve_args, args.quick) for name, tree in trees.items()}
+    values = {name: measure(tree, serve_args, cascade_args, args.quick) for name, tree in trees.items()}
     revisions = {name: revision(tree) for name, tree in trees.items()}
-    env = {"revisions": revisions, **environment()}
+    env = {"revisions": revisions, "model": choice.label, "preset": choice.preset, **environment()}
     rows = [
         {"bench": "hostile", "finding": k, "before": values["before"].get(k, "-"), "after": v, **env}
         for k, v in values["after"].items()
     ]
-    title = f"Hostile clients and operators, `--preset tiny`: {revisions['before']} (before) against "
+    title = f"Hostile clients and operators, {choice.label}: {revisions['before']} (before) against "
     title += f"{revisions['after']} (after), {time.monotonic() - started:.0f} s"
     tables = print_table(title, rows, [("finding", "finding"), ("before", "before"), ("after", "after")])
     save_outputs(args, rows, tables)

@@ -1,6 +1,7 @@
 """Prefix benchmark: the four cache modes (naive, paged, exact, radix) on audio workloads, one engine, one run.
 
-    s2s bench prefix [--quick] [--preset small] [--rounds N] [--workloads NAME ...] [--json PATH] [--plot PATH]
+    s2s bench prefix [--quick] [--model DIR | --preset small] [--rounds N] [--workloads NAME ...] [--json PATH]
+        [--plot PATH]
 
 In-process, no sockets: one `Engine` per mode, built identically but for `cache_mode`, driven by hand
 (`engine.step()` as fast as it goes, the wall clock as its clock), with the same arrivals, audio and seeds, modes
@@ -19,16 +20,18 @@ runs twice: with the engine's admission control (its cost model may refuse an op
 one-turn tail of codes) in a fixed pool until one cannot get its pages (`bench/prefix/fit.py`; naive: until `open`
 refuses: it reserves `max_context` = 4,096 steps up front).
 
-Every engine: one torch thread (see `setup`), tiny preset, EnCodec 1.5 kbps (K = 2), pages of 16 steps, 4 frames
-per tick, prefill budget 256 steps per tick (the engine's default), `calibration_ticks=0`, replies of R frames
-(`max_reply_frames`), max_context 4,096. Sampling is seeded per conversation, so every mode produces the same
-replies. Admission by tick cost is off (`admission_headroom=inf`: every mode sees the same arrivals; naive still
-refuses when its reservation does not fit) except in one pressure run. Every (workload, mode) runs `rounds` times
-with the order of modes rotating, TTFA samples pooled. Each round has its own seed (arrival times, prompts), the same
-in every mode: on this CPU a run of 16 conversations near saturation is one queueing history, and its TTFA p50 moves
-severalfold from one arrival pattern to the next (`ttfa_ms_p50_rounds`), so repeating one pattern measures that
-pattern, not the cache. The ratio table gives each radix ratio a 90 % interval from a paired bootstrap over rounds
-(`round_interval`).
+Every engine: one torch thread (see `setup`); by default the tiny preset (seeded weights over a seeded EnCodec at
+1.5 kbps, K = 2: its prefill nearly free on a CPU), or `--preset NAME`, or `--model DIR` (over the shipped codec;
+`--model s2s/weights/echo`: the shipped echo model, what `s2s serve` serves with no flags), each row's `model` saying
+which; pages of 16 steps, 4 frames per tick, prefill budget 256 steps per tick (the engine's default),
+`calibration_ticks=0`, replies of R frames (`max_reply_frames`), max_context 4,096. Sampling is seeded per
+conversation, so every mode produces the same replies. Admission by tick cost is off (`admission_headroom=inf`: every
+mode sees the same arrivals; naive still refuses when its reservation does not fit) except in one pressure run. Every
+(workload, mode) runs `rounds` times with the order of modes rotating, TTFA samples pooled. Each round has its own
+seed (arrival times, prompts), the same in every mode: on this CPU a run of 16 conversations near saturation is one
+queueing history, and its TTFA p50 moves severalfold from one arrival pattern to the next (`ttfa_ms_p50_rounds`), so
+repeating one pattern measures that pattern, not the cache. The ratio table gives each radix ratio a 90 % interval
+from a paired bootstrap over rounds (`round_interval`).
 
 This file is the command; the driver, workloads, statistics and report are in `bench/prefix/` (map in its
 `__init__.py`).
@@ -43,7 +46,7 @@ from dataclasses import asdict
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import environment, parser, save_outputs
+from bench.common import add_model_args, environment, model_choice, parser, save_outputs
 from bench.prefix.config import FRAMES_PER_TICK, MAX_CONTEXT, MODES, PAGE, PREFILL_BUDGET, QUICK
 from bench.prefix.fit import fit_rows
 from bench.prefix.report import TTFA_COLUMNS, plot, print_tables, with_intervals
@@ -99,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         default="streamed",
         help="how a user turn reaches the engine: in real time in 80 ms blocks (as the server gets it) or at once",
     )
-    p.add_argument("--preset", default="tiny", help="model size: tiny (prefill nearly free on CPU) or small")
+    add_model_args(p, default="tiny")  # (tiny: prefill nearly free on a CPU)
     p.add_argument("--rounds", type=int, default=None, help="rounds (arrival patterns) per (workload, mode)")
     p.add_argument(
         "--workloads",
@@ -112,9 +115,13 @@ def main(argv: list[str] | None = None) -> None:
     streamed = args.user_turn == "streamed"
     if args.rounds is not None and args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
-    scale, tok, model, clips = setup(args.preset, args.quick, args.rounds)
+    choice = model_choice(args)
+    scale, tok, model, clips = setup(choice.preset or "tiny", args.quick, args.rounds)
+    if choice.preset is None:  # a model folder, and its codec (the shipped one, unless it holds its own)
+        model, tok = choice.load()
     clip_frames = round(np.mean([len(c) for c in clips]) / tok.frame_size)
-    env = {**environment(), "quick": args.quick, "preset": args.preset, **asdict(scale), "page_size": PAGE}
+    env = {**environment(), "quick": args.quick, "model": choice.label, "preset": choice.preset}
+    env |= {**asdict(scale), "page_size": PAGE}
     env |= {"frames_per_tick": FRAMES_PER_TICK, "max_context": MAX_CONTEXT, "prefill_budget": PREFILL_BUDGET}
     env |= {"question_frames_mean": clip_frames, "user_turn": args.user_turn, "workloads": args.workloads}
     roomy = (scale.groups * scale.per_group + scale.burst) * MAX_CONTEXT // PAGE + 1  # naive holds all at once
@@ -152,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
             r["working_set_pages"] = 2 * budget
     fit = fit_rows(model, tok, scale, clip_frames)
     ratio_rows = ratios(rows, runs)
-    title = f"{args.preset} preset, user turns {args.user_turn}"
+    title = f"{choice.label}, user turns {args.user_turn}"
     tables = print_tables(rows, ratio_rows, fit, scale, title, budget, clip_frames)
     plot(rows, args.plot, title)
     save_outputs(args, [{**env, **r} for r in rows + fit + ratio_rows], tables)

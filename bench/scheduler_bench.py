@@ -1,6 +1,7 @@
 """Scheduler benchmark: the engine's background prefill budget, its values side by side in one run.
 
-    s2s bench scheduler [--quick] [--preset small] [--rounds N] [--budgets N ...] [--modes MODE ...] [--json PATH]
+    s2s bench scheduler [--quick] [--model DIR | --preset NAME] [--rounds N] [--budgets N ...] [--modes MODE ...]
+        [--json PATH]
 
 In a tick someone waits on (a turn's rest of speech to compute, a reply before its first audio), the scheduler gives
 work nobody waits on (voice prompts, speech computed while its user still talks) at most `background_budget` steps
@@ -11,6 +12,11 @@ TTFA during a burst of new ones against before it). The default budgets are 16 (
 256 (the whole prefill budget: no cap). Every (workload, mode, budget) runs `--rounds` times, each round its own
 arrival pattern shared by every engine, the order rotating within a round; ratios get a 90 % interval from a paired
 bootstrap over rounds, as in the prefix benchmark.
+
+The engines run the weights a user runs: by default the shipped codec and echo model (what `s2s serve` serves with no
+flags), or `--model DIR`, or `--preset NAME` (seeded weights over a seeded EnCodec, as `s2s bench prefix` runs them:
+`--preset small`, a model whose prefill is not free on a CPU, is what the figures before issue 48 ran); each row's
+`model` says which.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from tqdm import tqdm
 
-from bench.common import environment, parser, print_table, save_outputs
+from bench.common import add_model_args, environment, model_choice, parser, print_table, save_outputs
 from bench.prefix_bench import (
     MAX_CONTEXT,
     MODES,
@@ -108,7 +114,7 @@ def plot(rows: list[dict], path, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = parser("scheduler", __doc__.splitlines()[0])
-    p.add_argument("--preset", default="small", help="model size: small (prefill not free on CPU) or tiny")
+    add_model_args(p)
     p.add_argument(
         "--rounds", type=int, default=None, help="rounds (arrival patterns) per (workload, mode, budget); default 6"
     )
@@ -124,7 +130,10 @@ def main(argv: list[str] | None = None) -> None:
     rounds = args.rounds if args.rounds is not None else 1 if args.quick else 6
     if rounds < 1 or min(args.budgets) < 1:
         p.error("--rounds and every --budgets value must be >= 1")
-    scale, tok, model, clips = setup(args.preset, args.quick, rounds)
+    choice = model_choice(args)
+    scale, tok, model, clips = setup(choice.preset or "tiny", args.quick, rounds)
+    if choice.preset is None:  # the shipped echo or a model folder, over the codec `s2s serve` gives it
+        model, tok = choice.load()
     roomy = scale.groups * scale.per_group * MAX_CONTEXT // PAGE + 1
     pressure_pages = pressure_working_set(Workload(scale, clips, 0), tok.frame_size) // 2 + 1
     warm_up(model, tok, scale, clips, roomy, streamed=True)
@@ -155,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
         for s in [summarize(rs)]
     ]
     rows.sort(key=lambda r: (WORKLOADS.index(r["workload"]), MODES.index(r["mode"]), r["background_budget"]))
-    env = {**environment(), "quick": args.quick, "preset": args.preset, "page_size": PAGE}
+    env = {**environment(), "quick": args.quick, "model": choice.label, "preset": choice.preset, "page_size": PAGE}
     env |= {"prefill_budget": PREFILL_BUDGET, "budgets": args.budgets, "pressure_pages": pressure_pages - 1}
     cols = [
         ("workload", "workload"),
@@ -172,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         ("stalled", "stalled"),
     ]
     tables = print_table(
-        f"Background budget in ticks someone waits on ({args.preset} preset, {scale.rounds} rounds; shared at "
+        f"Background budget in ticks someone waits on ({choice.label}, {scale.rounds} rounds; shared at "
         f"{SHARED_FRACTION:.0%}, pressure with admission in {pressure_pages - 1} pages)",
         rows,
         cols,
@@ -192,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
             ("during_vs_before_p95", "during/before p95"),
         ],
     )
-    plot(rows, args.plot, f"{args.preset} preset")
+    plot(rows, args.plot, choice.label)
     save_outputs(args, [{**env, **r} for r in rows + ratios], tables)
 
 

@@ -1,12 +1,14 @@
 """Soak: mixed conversations through `s2s serve` at 80 % of the capacity admission reports, for minutes on end.
 
-    s2s bench soak [--minutes 30] [--load 0.8] [--quick] [--json PATH] [--plot PATH] [--device cuda]
+    s2s bench soak [--minutes 30] [--load 0.8] [--quick] [--model DIR | --preset NAME] [--json PATH] [--plot PATH]
+        [--device cuda]
 
-`s2s serve --preset tiny` runs in a child process (seeded weights, 4-frame ticks, replies of at most 3 s, two shared
-voice prompts from espeak-ng in a `--prompts` folder). A probe opens conversations whose microphones stream
-silence (admission charges a conversation as a real-time stream while its audio comes in or it replies), one at a
-time, until admission refuses one (503 before the upgrade), and closes them: that count is the capacity admission
-reports (probed again at the end: the cost model learns as it serves).
+`s2s serve` runs in a child process on the weights a user runs: by default the shipped codec and echo model
+(what `s2s serve` serves with no flags), or `--model DIR`, or `--preset NAME` (seeded weights); 4-frame ticks,
+replies of at most 3 s, two shared voice prompts from espeak-ng in a `--prompts` folder. A probe opens conversations
+whose microphones stream silence (admission charges a conversation as a real-time stream while its audio comes in or
+it replies), one at a time, until admission refuses one (503 before the upgrade), and closes them: that count is the
+capacity admission reports (probed again at the end: the cost model learns as it serves).
 `--load` of it are kept live in waves (`--wave-minutes`): a client that leaves is replaced at once, and at a
 wave's end every client leaves and the pages are checked. The clients (asyncio, in this process, pcm16) follow
 seeded plans (`bench/soak/plans.py`): duplex or turn mode, a shared voice or none, 2-4 turns of espeak-ng speech
@@ -42,9 +44,11 @@ import numpy as np
 from bench.common import (
     SENTENCES,
     add_device_args,
+    add_model_args,
     device_name,
     device_server_args,
     environment,
+    model_choice,
     parser,
     print_table,
     save_outputs,
@@ -163,7 +167,7 @@ def main() -> None:
     p.add_argument("--warmup-minutes", type=float, default=5.0, help="RSS growth counts from the first wave end after")
     p.add_argument("--window-minutes", type=float, default=5.0, help="first-audio p95: the first and last this long")
     p.add_argument("--sample-s", type=float, default=5.0, help="seconds between samples")
-    p.add_argument("--preset", default="tiny", help="model preset of the server (seeded weights)")
+    add_model_args(p)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server (0: the server's default)")
     p.add_argument("--kv-pages", type=int, default=4096, help="the server's K/V pages")
     p.add_argument("--max-conversations", type=int, default=32, help="the server's --max-conversations")
@@ -183,6 +187,7 @@ def main() -> None:
     p.add_argument("--no-probe-at-end", dest="probe_at_end", action="store_false", help="skip the second probe")
     add_device_args(p)
     args = p.parse_args()
+    choice = model_choice(args)
     mix, clip_s = Mix(), 6.0
     if args.quick:
         args.minutes, args.wave_minutes, args.sample_s = 0.4, 0.2, 2.0
@@ -194,7 +199,8 @@ def main() -> None:
     device = device_name(args.device)
     params = {
         "bench": "soak",
-        "preset": args.preset,
+        "model": choice.label,
+        "preset": choice.preset,
         "server_device": device,
         "server_threads": args.threads,
         "kv_pages": args.kv_pages,
@@ -213,9 +219,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as voices_dir:
         voices = tuple(write_voices(Path(voices_dir)))
         mix = Mix(**{**mix.__dict__, "voices": voices, "duplex_mute": args.duplex_mute})
-        serve_args = ["--preset", args.preset, "--threads", str(args.threads), "--kv-pages", str(args.kv_pages)]
-        serve_args += ["--max-conversations", str(args.max_conversations), "--frames-per-tick", "4"]
-        serve_args += ["--max-reply-frames", "225", "--prompts", voices_dir, *device_server_args(args)]
+        serve_args = [*choice.serve_args(), "--threads", str(args.threads), "--kv-pages", str(args.kv_pages)]
+        serve_args += ["--max-conversations", str(args.max_conversations), "--frames-per-tick", str(choice.frames(4))]
+        serve_args += ["--max-reply-frames", str(choice.frames(225)), "--prompts", voices_dir]
+        serve_args += device_server_args(args)
         if args.admission_headroom is not None:
             serve_args += ["--admission-headroom", str(args.admission_headroom)]
         if server_has(PER_CLIENT_OPTION):
@@ -236,7 +243,7 @@ def main() -> None:
     )
     per_wave = wave_rows(waves, events, result["t0"])
     title = (
-        f"Soak through `s2s serve --preset {args.preset}` ({device}): {ran_s / 60:.1f} min, "
+        f"Soak through `s2s serve` ({choice.label}, {device}): {ran_s / 60:.1f} min, "
         f"{result['target_live']} live of a capacity of {result['capacity']}, {result['started_clients']} clients"
     )
     tables = print_table(title + ": targets (issue 20)", goals, [(k, k) for k in ("target", "measured", "goal", "met")])

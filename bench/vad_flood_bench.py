@@ -1,6 +1,7 @@
 """VAD flood benchmark: what spurious turns cost at N listening sessions, with and without flood control.
 
     s2s bench vad-flood [--quick] [--json PATH] [--plot PATH] [--levels 10,25,50,100,200] [--seconds 50]
+        [--model DIR | --preset NAME]
 
 Two stages, so that 200 sessions fit a 2-core machine honestly:
 1. Offline, faster than real time: `server/vad/endpointer.py`'s `Endpointer` (Silero) runs over `--track-s` seconds
@@ -9,9 +10,11 @@ Two stages, so that 200 sessions fit a 2-core machine honestly:
    (`PLAIN`: every stretch of speech is a turn, no take-back) and once with it (`VadConfig()`). The first table is
    the endpointer's turns per session-hour of noise, by kind: spurious, confident, dropped, taken back; and what
    becomes of the user's sentences (found, and how long after the speech ended the turn ended).
-2. In real time: N turn-mode sessions in an in-process `Engine` (`--preset`, seeded weights, codec-free: each
-   session is fed random codes at 75 frames a second in 80 ms blocks, its noise as context; the codec would take
-   both cores at N = 200 and is the same with or without the control). Session i hears noise kind i mod 5 from a
+2. In real time: N turn-mode sessions in an in-process `Engine` on the weights a user runs: by default the shipped
+   echo model (what `s2s serve` serves with no flags), or `--model DIR` (a model of EnCodec's frames), or `--preset
+   NAME` (seeded weights); each row's `model` says which. Codec-free: each session is fed random codes at 75 frames a
+   second in 80 ms blocks, its noise as context; the codec would take both cores at N = 200 and is the same with or
+   without the control. Session i hears noise kind i mod 5 from a
    random offset, and replays that timeline's events as the server's receive loop does: a speech start is a barge-in
    (`Engine.interrupt` with the frames played), a take-back an interrupt with 0 frames, an end of turn
    `Engine.end_turn`, through the server's `TurnGate` with the control. Events in the last 2 s are left out, so every
@@ -39,11 +42,21 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from bench.common import environment, parser, percentiles, print_table, save_outputs, write_json
+from bench.common import (
+    ModelChoice,
+    add_model_args,
+    environment,
+    model_choice,
+    parser,
+    percentiles,
+    print_table,
+    save_outputs,
+    write_json,
+)
 from bench.noise import KINDS
 from bench.noise_turns import BLOCK_S, PLAIN, Timeline, VadEvent, endpoint, spurious_row, track
 from codec.pcm import SAMPLE_RATE
-from s2s import CodesEvent, Engine, EngineConfig, ModelConfig, S2SModel, SamplingParams
+from s2s import CodesEvent, Engine, EngineConfig, S2SModel, SamplingParams
 from s2s.engine.config import CODES_ONLY_FRAME_SIZE
 from server.vad.config import VadConfig
 from server.vad.turn_gate import TurnGate
@@ -196,13 +209,14 @@ def endpointer_stage(args, cfg: VadConfig) -> tuple[dict[str, Timeline], dict[st
     return plain, control, rows
 
 
-def replay_stage(args, levels: list[int], plain: dict, control: dict) -> list[dict]:
+def replay_stage(args, choice: ModelChoice, levels: list[int], plain: dict, control: dict) -> list[dict]:
     """Stage 2: each level, both arms, the same sessions (noise kind and offset) in each; at the largest level also
     the oracle (the plain timelines' real turns only: the best any flood control could do)."""
-    model = S2SModel.from_seed(ModelConfig.preset(args.preset, num_codebooks=2), seed=0)
+    model, _ = choice.load()  # (its codec is not used: codes go straight in)
     rng, rows = np.random.default_rng(1), []
-    names = ("seconds", "track_s", "turn_every", "preset", "reply_frames", "prefill_budget")
-    params = {name: getattr(args, name) for name in names} | environment()
+    names = ("seconds", "track_s", "turn_every", "reply_frames", "prefill_budget")
+    params = {name: getattr(args, name) for name in names} | {"model": choice.label, "preset": choice.preset}
+    params |= environment()
     for n in tqdm(levels, desc="levels"):
         offsets = rng.uniform(0, args.track_s, n)
         arms = [("plain", plain), ("control", control)] + [("oracle", plain)] * (n == max(levels))
@@ -239,10 +253,16 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=50.0, help="real time each level runs, per arm")
     p.add_argument("--track-s", type=float, default=480.0, help="seconds of each noise kind the endpointer hears")
     p.add_argument("--turn-every", type=float, default=60.0, help="seconds between a session's real turns, about")
-    p.add_argument("--preset", default="tiny", help="model preset (seeded weights)")
+    add_model_args(p)
     p.add_argument("--reply-frames", type=int, default=150, help="longest reply (75 frames a second)")
     p.add_argument("--prefill-budget", type=int, default=1024, help="engine prefill steps a tick")
     args = p.parse_args()
+    choice = model_choice(args)
+    if choice.frame_size != CODES_ONLY_FRAME_SIZE:
+        raise SystemExit(
+            f"--model: {choice.label}'s codec has {choice.frame_size}-sample frames; this bench feeds codes "
+            f"at the codec-free engine's {CODES_ONLY_FRAME_SIZE} (EnCodec's)"
+        )
     levels = [int(x) for x in args.levels.split(",")]
     if args.quick:
         levels, args.seconds, args.track_s, args.turn_every = [10, 50], 8.0, 40.0, 12.0
@@ -270,9 +290,9 @@ def main() -> None:
             ("end_delay_ms_p95_control", "control"),
         ],
     )
-    replay = replay_stage(args, levels, plain, control)
+    replay = replay_stage(args, choice, levels, plain, control)
     tables += print_table(
-        f"N turn-mode sessions over noise, replayed in real time ({args.preset}, seeded, codec-free, "
+        f"N turn-mode sessions over noise, replayed in real time ({choice.label}, codec-free, "
         f"{args.seconds:g} s): TTFA = end of turn -> first reply frame out of the engine",
         replay,
         [

@@ -2,10 +2,12 @@
 turn latency it shows (its own clock: from the end of your speech, by its level, to the first reply audio that
 reaches it). Writes the page's screenshots, idle and mid-conversation, for the README.
 
-    s2s bench web [--quick] [--json PATH] [--plot PATH]
+    s2s bench web [--quick] [--model DIR | --preset NAME] [--json PATH] [--plot PATH]
 
-The server is `s2s serve --preset small` in a child process, with one voice prompt (`--prompts`: an espeak-ng
-voice) so the picker has one; the page speaks three sentences, 3 s apart, on one connection per mode and codec.
+The server is `s2s serve` in a child process, on the weights a user runs: by default the shipped codec and echo model
+(what `s2s serve` serves with no flags; the screenshots show the echo), or `--model DIR`, or `--preset NAME` (seeded
+weights); each row's `model` says which. It has one voice prompt (`--prompts`: an espeak-ng voice) so the picker has
+one; the page speaks three sentences, 3 s apart, on one connection per mode and codec.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 from tqdm import tqdm
 
 from bench.browser import open_page
-from bench.common import environment, parser, percentiles, print_table, save_outputs
+from bench.common import add_model_args, environment, model_choice, parser, percentiles, print_table, save_outputs
 from codec.pcm import SAMPLE_RATE, save_wav
 from server.process import ServerProcess
 from speech.sample import synthesize
@@ -76,7 +78,9 @@ async def conversation(url: str, mic: Path, mode: str, codec: str, turns: int, s
 
 def main(argv: list[str] | None = None) -> None:
     p = parser("web", __doc__.splitlines()[0])
+    add_model_args(p)
     args = p.parse_args(argv)
+    choice = model_choice(args)
     runs = [("turn", "opus")] if args.quick else [(m, c) for m in ("turn", "duplex") for c in ("opus", "pcm16")]
     turns = 2 if args.quick else len(SENTENCES)
     rows = []
@@ -85,13 +89,15 @@ def main(argv: list[str] | None = None) -> None:
         mic = microphone(folder, SENTENCES[:turns])
         (folder / "voices").mkdir()
         save_wav(folder / "voices" / "espeak_f.wav", synthesize("Hi. How can I help?", voice="en-us+f2"))
-        server_args = ["--preset", "small", "--threads", 1, "--frames-per-tick", 4, "--max-reply-frames", 150]
+        server_args = [*choice.serve_args(), "--threads", 1, "--frames-per-tick", choice.frames(4)]
+        server_args += ["--max-reply-frames", choice.frames(150)]  # 2 s
         with ServerProcess(*server_args, "--prompts", folder / "voices") as url:
             url = url.replace("ws://", "http://")
             for i, (mode, codec) in enumerate(tqdm(runs, desc="web bench", file=sys.stderr)):
                 shots = {"idle": args.plot.with_name("web_idle.png"), "talking": args.plot} if i == 0 else {}
                 args.plot.parent.mkdir(parents=True, exist_ok=True)
-                rows.append({**environment(), **asyncio.run(conversation(url, mic, mode, codec, turns, shots))})
+                row = asyncio.run(conversation(url, mic, mode, codec, turns, shots))
+                rows.append({"model": choice.label, **row, **environment()})
     columns = [
         ("mode", "mode"),
         ("codec", "codec"),
@@ -103,7 +109,9 @@ def main(argv: list[str] | None = None) -> None:
         ("server_errors", "server errors"),
     ]
     tables = print_table(
-        "The web page's turn latency (its clock: end of speech by level -> first reply audio)", rows, columns
+        f"The web page's turn latency (its clock: end of speech by level -> first reply audio), {choice.label}",
+        rows,
+        columns,
     )
     save_outputs(args, rows, tables)
 

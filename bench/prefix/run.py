@@ -74,13 +74,14 @@ class Run:
     wall: float
     conversations: int
     counters: EngineCounters
+    frame_s: float  # the engine's frame (its codec's), kept as the engine goes
 
 
 def run_once(engine: Engine, scripts_of: Callable[[Driver], list[Script]], streamed: bool, stall_s: float) -> Run:
     d = Driver(engine, streamed=streamed)
     scripts = scripts_of(d)
     wall = d.run(scripts, stall_s)
-    run = Run(d, wall, len(scripts), counters(engine))
+    run = Run(d, wall, len(scripts), counters(engine), engine.cfg.frame_s)
     d.engine = None
     return run
 

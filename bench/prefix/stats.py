@@ -41,7 +41,7 @@ def summarize(runs: list[Run]) -> dict:
     p = percentiles(all_ttfa, 1000) if all_ttfa else {"p50": math.nan, "p95": math.nan, "p99": math.nan}
     stages = [st for r in runs for st in r.driver.stages]
     stage = np.median(np.asarray(stages), axis=0) * 1000 if stages else [math.nan] * 3
-    audio_s = sum(r.driver.frames_out * r.driver.engine.cfg.frame_s for r in runs)
+    audio_s = sum(r.driver.frames_out * r.frame_s for r in runs)
     counters = [r.counters for r in runs]
     compute_s = sum(c.compute_s for c in counters)
     stats = [c.cache for c in counters]
