@@ -1,6 +1,6 @@
 """Launches benchmark: torch ops per engine tick, by phase, eager and on CUDA graphs.
 
-    s2s bench launches [--quick] [--conversations 1,4,16,64,256] [--model shipped|DIR] [--json PATH] [--plot PATH]
+    s2s bench launches [--quick] [--conversations 1,4,16,64,256] [--model DIR | --preset NAME] [--json PATH]
 
 The models served here are small, so on a GPU a tick's time is mostly the CPU issuing kernels, about one per torch
 op. This counts the ops (every aten call but views, which launch nothing, through a TorchDispatchMode) of ticks of N
@@ -10,14 +10,14 @@ twice: on the eager paths, and on the graphs' paths as a GPU takes them (the dec
 steady pushes: `DecodeGraphs`, `SamplingGraphs`, `CodecGraphs`), through their eager twins, each replay counted as
 one launch and its copies in as theirs. Batched work costs the same ops at any N: what grows with N is a loop over
 conversations issuing ops. Counts do not depend on the machine; no time is measured. By default the models are
-seeded presets on a seeded codec; `--model shipped` (or a model folder) counts the shipped echo model (or that
-folder's model) on the shipped codec instead, what `s2s serve` runs by default.
+the `tiny` and `small` presets on a seeded codec; `--model DIR` counts that folder's model (`--model
+s2s/weights/echo`: the shipped echo, on the shipped codec, what `s2s serve` runs by default), `--preset NAME` one
+preset.
 """
 
 from __future__ import annotations
 
 import collections
-from pathlib import Path
 
 import matplotlib
 
@@ -27,10 +27,9 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.common import environment, parser, print_table, save_outputs
+from bench.common import ModelChoice, add_model_args, environment, model_choice, parser, print_table, save_outputs
 from codec import EncodecTokenizer, stream_layers
-from s2s import Engine, EngineConfig, ModelConfig, S2SModel, SamplingParams
-from s2s.models.shipped import shipped
+from s2s import Engine, EngineConfig, SamplingParams
 from s2s.runner import sampling, sampling_graphs
 from s2s.runner.codec_graphs import codec_graphs
 from s2s.runner.cuda_graphs import DecodeGraphs
@@ -105,19 +104,10 @@ def _on_graphs(engine: Engine, tok: EncodecTokenizer, stack: list[str], counts: 
         graphs._step = _replayed(graphs._step, stack, counts)
 
 
-def load(preset: str) -> tuple[S2SModel, EncodecTokenizer]:
-    """A seeded preset on the seeded codec, or ("shipped" or a model folder) that model on the shipped codec."""
-    if preset == "shipped" or Path(preset).is_dir():
-        folder = shipped("model") if preset == "shipped" else preset
-        return S2SModel.from_pretrained(folder), EncodecTokenizer.from_pretrained(shipped("codec"))
-    tok = EncodecTokenizer.from_pretrained()
-    return S2SModel.from_seed(ModelConfig.preset(preset, num_codebooks=tok.num_codebooks), seed=0), tok
-
-
-def count(preset: str, conversations: int, ticks: int, path: str) -> dict:
+def count(choice: ModelChoice, conversations: int, ticks: int, path: str) -> dict:
     """Mean ops per tick by phase, over `ticks` ticks after the codec's streams have warmed up; `path`: "eager", or
-    "graphs" (as a GPU runs the tick); `preset`: as `load` takes it."""
-    model, tok = load(preset)
+    "graphs" (as a GPU runs the tick)."""
+    model, tok = choice.load()
     cfg = EngineConfig(
         calibration_ticks=0,
         frames_per_tick=FRAMES_PER_TICK,
@@ -150,7 +140,7 @@ def count(preset: str, conversations: int, ticks: int, path: str) -> dict:
         stream_layers._LSTM.stepped = lstm
         sampling_graphs.stream_keys = sampling.stream_keys
     return {
-        "preset": preset,
+        "preset": choice.label,
         "conversations": conversations,
         "path": path,
         "frames_per_tick": FRAMES_PER_TICK,
@@ -182,12 +172,15 @@ def plot(rows: list[dict], path) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = parser("launches", __doc__.splitlines()[0])
     p.add_argument("--conversations", default="1,4,16,64,256", help="the levels of N")
-    p.add_argument("--model", default=None, help="shipped, or a model folder (on the shipped codec): not the presets")
+    add_model_args(p, default="tiny and small")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     levels = [1, 16] if args.quick else [int(n) for n in args.conversations.split(",")]
-    presets = [args.model] if args.model else ["small"] if args.quick else ["tiny", "small"]
-    grid = [(p, n) for p in presets for n in levels]
+    if args.model is not None or args.preset is not None:
+        choices = [model_choice(args)]
+    else:  # (the presets, each on the seeded codec)
+        choices = [ModelChoice(preset=name) for name in (["small"] if args.quick else ["tiny", "small"])]
+    grid = [(c, n) for c in choices for n in levels]
     rows = [{**count(p, n, 2 if args.quick else 4, path), **environment()} for p, n in grid for path in PATHS]
     tables = print_table(
         "Torch ops per tick by phase (one op is about one kernel launch on a GPU; a graph's replay counts one)",
