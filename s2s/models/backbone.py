@@ -18,14 +18,32 @@ from torch import nn
 
 from paged_kernels import batch_invariant as invariant
 from paged_kernels import paged_attention, store_kv
+from s2s.models import compact
 from s2s.models.config import ModelConfig
 from s2s.runner.batch import PagedBatch
 
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight) -> x @ weight.T
 
 
+Linears = Callable[..., tuple[torch.Tensor, ...]]  # (x, *weights) -> x @ weight.T for each weight
+
+
 def linear_for(batch_invariant: bool) -> Linear:
-    return invariant.linear if batch_invariant else F.linear
+    """The paged forward's matmul: batch-invariant tiles, or a weight's nonzero block (`s2s/models/compact.py`)."""
+    return invariant.linear if batch_invariant else compact.linear
+
+
+def linears_for(batch_invariant: bool) -> Linears:
+    """`linear_for`'s, for weights that read one input: as one product of their nonzero block when not invariant."""
+    return _invariant_linears if batch_invariant else compact.linears
+
+
+def _dense_linears(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(F.linear(x, w) for w in weights)
+
+
+def _invariant_linears(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(invariant.linear(x, w) for w in weights)
 
 
 class RMSNorm(nn.Module):
@@ -88,12 +106,12 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, linear: Linear = F.linear):
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, linears: Linears = _dense_linears):
         shape = x.shape[:-1]
-        q = apply_rotary(linear(x, self.q_proj.weight).view(*shape, self.heads, self.head_dim), cos, sin)
-        k = apply_rotary(linear(x, self.k_proj.weight).view(*shape, self.kv_heads, self.head_dim), cos, sin)
-        v = linear(x, self.v_proj.weight).view(*shape, self.kv_heads, self.head_dim)
-        return q, k, v
+        q, k, v = linears(x, self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        q = apply_rotary(q.view(*shape, self.heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(*shape, self.kv_heads, self.head_dim), cos, sin)
+        return q, k, v.view(*shape, self.kv_heads, self.head_dim)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Reference: x `[B, T, H]`, full causal attention (within the sliding window) over itself."""
@@ -118,8 +136,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x `[N, H]`: store this batch's K/V in its slots, then attend over each sequence's pages. With
         `batch_invariant`, `batch` must be in decode form (`PagedBatch.per_query`)."""
-        linear = linear_for(batch_invariant)
-        q, k, v = self._qkv(x, cos, sin, linear)
+        linears = linears_for(batch_invariant)
+        q, k, v = self._qkv(x, cos, sin, linears)
         store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         attend = invariant.paged_attention if batch_invariant else paged_attention
         out = attend(
@@ -132,7 +150,7 @@ class Attention(nn.Module):
             causal=True,
             sliding_window=self.window,
         )
-        return linear(out.reshape(x.shape[0], -1), self.o_proj.weight)
+        return linears(out.reshape(x.shape[0], -1), self.o_proj.weight)[0]
 
 
 class MLP(nn.Module):
@@ -142,9 +160,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
-        hidden = F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight)
-        return linear(hidden, self.down_proj.weight)
+    def forward(self, x: torch.Tensor, linears: Linears = _dense_linears) -> torch.Tensor:
+        gate, up = linears(x, self.gate_proj.weight, self.up_proj.weight)
+        return linears(F.silu(gate) * up, self.down_proj.weight)[0]
 
 
 class DecoderLayer(nn.Module):
@@ -155,8 +173,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def _mlp_block(self, x: torch.Tensor, linear: Linear = F.linear) -> torch.Tensor:
-        return x + self.mlp(self.post_attention_layernorm(x), linear)
+    def _mlp_block(self, x: torch.Tensor, linears: Linears = _dense_linears) -> torch.Tensor:
+        return x + self.mlp(self.post_attention_layernorm(x), linears)
 
 
 class Backbone(nn.Module):
@@ -194,5 +212,5 @@ class Backbone(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.rope_positions, x.dtype)
         for layer, k, v in zip(self.layers, k_caches, v_caches, strict=True):
             x = x + layer.self_attn.forward_paged(layer.input_layernorm(x), cos, sin, batch, k, v, batch_invariant)
-            x = layer._mlp_block(x, linear_for(batch_invariant))
+            x = layer._mlp_block(x, linears_for(batch_invariant))
         return self.norm(x)

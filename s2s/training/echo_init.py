@@ -129,6 +129,18 @@ def planted_init(model: S2SModel, seed: int, quiet: np.ndarray, loud: np.ndarray
         _heads(model, lay, codes, quiet)
 
 
+def silence_idle_units(model: S2SModel) -> None:
+    """Zero the gate and up rows of the MLP units that write nothing (their down column is zero): the random ones
+    `planted_init` leaves for tuning to find a use for, and which it did not. The outputs are the same; the weights
+    then hold only the circuit, which the forward multiplies as blocks (`s2s/models/compact.py`)."""
+    with torch.no_grad():
+        for layer in model.backbone.layers:
+            mlp = layer.mlp
+            idle = mlp.down_proj.weight.eq(0).all(0)
+            mlp.gate_proj.weight[idle] = 0
+            mlp.up_proj.weight[idle] = 0
+
+
 def _embeddings(model: S2SModel, lay: Layout, codes: torch.Tensor, quiet: np.ndarray, loud: np.ndarray) -> None:
     """Every user row has squared norm 2 (a code: its vector, and loud or quiet; silent or pad: two flags), every
     model row 1, and the constant 1: every step enters with squared norm 7. The model's quiet codes (what it says

@@ -28,7 +28,7 @@ from s2s.models.config import ModelConfig
 from s2s.models.model import S2SModel
 from s2s.models.shipped import CODEC
 from s2s.training.echo_data import Conversation, Utterance, duplex_conversation, to_batch, turn_conversation
-from s2s.training.echo_init import DUPLEX_DELAY, ECHO_CONFIG, planted_init
+from s2s.training.echo_init import DUPLEX_DELAY, ECHO_CONFIG, planted_init, silence_idle_units
 from speech.sentences import training_sentences
 from speech.voices import RATE, TRAIN_VOICES, Voice, say
 
@@ -179,6 +179,7 @@ def tune(
 
 
 def save(model: S2SModel, args: argparse.Namespace, log: list[dict], seconds: float) -> Path:
+    silence_idle_units(model)
     model.eval().half().save_pretrained(args.out)  # fp16: the shipped weights are small; loading casts back
     every = max(1, args.log_every)
     tuned = [r for r in log if "loss" in r]
