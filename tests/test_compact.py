@@ -20,6 +20,10 @@ def sparse_weight(out: int = 96, inputs: int = 80, seed: int = 0) -> torch.Tenso
     return w
 
 
+def ws_cols(w: torch.Tensor) -> list[int]:
+    return w.ne(0).any(0).nonzero().flatten().tolist()
+
+
 def test_the_block_gives_the_dense_product_and_is_what_is_multiplied() -> None:
     w = sparse_weight()
     for shape in [(80,), (3, 80), (2, 5, 80)]:
@@ -34,7 +38,7 @@ def test_weights_of_one_input_are_one_block() -> None:
     got = compact.linears(x, *ws)
     for y, w in zip(got, ws, strict=True):
         torch.testing.assert_close(y, F.linear(x, w), rtol=1e-5, atol=1e-6)
-    assert compact._blocks[ws[0]].block.shape[0] <= 40
+    assert compact._blocks[ws[0]].block.shape == (40, 12 + 12 - len(set(ws_cols(ws[0])) & set(ws_cols(ws[1]))))
     dense = (torch.randn(96, 80), sparse_weight(seed=3))  # over `WORTH` of them nonzero: each multiplied as it is
     for y, w in zip(compact.linears(x, *dense), dense, strict=True):
         torch.testing.assert_close(y, F.linear(x, w))
@@ -60,6 +64,34 @@ def test_a_view_made_each_call_is_kept_by_its_base() -> None:
     assert compact._blocks[heads._base] is block
 
 
+def test_a_weight_of_other_memory_or_type_is_not_given_the_old_block() -> None:
+    """Views of one base with equal shapes, a weight's data swapped, its type changed, other companions."""
+    stack, x = torch.stack([sparse_weight(seed=4), sparse_weight(seed=5)]), torch.randn(3, 80)
+    for w in (stack[0], stack[1]):
+        torch.testing.assert_close(compact.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-6)
+    w = sparse_weight(seed=6)
+    compact.linear(x, w)
+    w.data = sparse_weight(seed=7)
+    torch.testing.assert_close(compact.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-6)
+    w.data = w.data.double()
+    torch.testing.assert_close(compact.linear(x.double(), w), F.linear(x.double(), w))
+    q, k1, k2 = sparse_weight(seed=8), sparse_weight(seed=9), sparse_weight(seed=10)
+    compact.linears(x, q, k1)
+    torch.testing.assert_close(compact.linears(x, q, k2)[1], F.linear(x, k2), rtol=1e-5, atol=1e-6)
+
+
+def test_a_block_made_in_inference_mode_serves_autograd_and_inference_weights_are_dense() -> None:
+    w, x = sparse_weight(seed=11), torch.randn(3, 80, requires_grad=True)
+    with torch.inference_mode():
+        compact.linear(x.detach(), w)
+    compact.linear(x, w).sum().backward()  # a frozen weight, an input that wants its gradient
+    torch.testing.assert_close(x.grad, w.sum(0).expand(3, -1))
+    with torch.inference_mode():
+        frozen = sparse_weight(seed=12)
+        compact.linear(x.detach(), frozen)
+    assert frozen not in compact._blocks
+
+
 def test_training_multiplies_the_dense_weight() -> None:
     w = sparse_weight().requires_grad_()
     x = torch.randn(3, 80)
@@ -83,6 +115,7 @@ def test_the_shipped_echo_paged_forward_equals_its_reference() -> None:
     scale = ref.abs().max()
     for i, state in enumerate(got):
         assert (state - ref[23 + i]).abs().max() <= 1e-5 * scale, i
+    assert compact._blocks[model.heads].block is not None  # (the heads' view, made each call, keyed by the heads)
     for layer in model.backbone.layers:  # q, k and v as one block, a small part of them
         attn = layer.self_attn
         block = compact._blocks[attn.q_proj.weight].block

@@ -6,10 +6,12 @@ few rows is bound by reading weights (2 to 6 GB/s from a shared L3 on the 2-core
 14 MB every round costs what multiplying its 1.4 MB nonzero block need not. `linear` keeps, per weight, its nonzero
 rows and columns as one dense block: the input's columns selected, the block multiplied, the rows scattered into
 zeros. A dense weight (every preset's, Moshi's) is multiplied as it is. The products are the same; only the order
-in which MKL sums a row's nonzero terms may differ (float rounding).
+in which MKL sums a row's nonzero terms may differ (float rounding), and a NaN or an infinity in an input column no
+weight reads gives 0 where the dense product gives NaN.
 
-The block is made on a weight's first use and made again after the weight changes in place (its version counter),
-on the CPU only (finding the block syncs a GPU, which a CUDA graph's capture forbids) and outside autograd.
+The block is made on a weight's first use and made again when the weight is another tensor, or changed in place (its
+version counter), on the CPU only (finding the block syncs a GPU, which a CUDA graph's capture forbids) and outside
+autograd.
 """
 
 from __future__ import annotations
@@ -26,19 +28,23 @@ class Block:
     those rows' and columns' indices (None: all of them)."""
 
     def __init__(self, weights: tuple[torch.Tensor, ...]):
-        self.versions, self.shapes = [_version(w) for w in weights], [w.shape for w in weights]
+        self.signatures = [_signature(w) for w in weights]
         self.sizes = [w.shape[0] for w in weights]
-        nonzero = torch.cat([w.ne(0) for w in weights])
-        rows, cols = nonzero.any(1).nonzero().flatten(), nonzero.any(0).nonzero().flatten()
-        self.dense = len(rows) * len(cols) > WORTH * nonzero.numel()
-        self.rows = None if self.dense or len(rows) == nonzero.shape[0] else rows
-        self.cols = None if self.dense or len(cols) == nonzero.shape[1] else cols
-        # (a copy, never a weight: the weights are weak keys)
-        self.block = None if self.dense else torch.cat(weights)[rows][:, cols].contiguous()
+        # (made outside inference mode, as `Rotary.inv_freq` is: an engine's tick may make it, and a later forward
+        # with autograd may read it)
+        with torch.inference_mode(False), torch.no_grad():
+            nonzero = torch.cat([w.ne(0) for w in weights])
+            rows, cols = nonzero.any(1).nonzero().flatten(), nonzero.any(0).nonzero().flatten()
+            self.dense = len(rows) * len(cols) > WORTH * nonzero.numel()
+            self.rows = None if self.dense or len(rows) == nonzero.shape[0] else rows
+            self.cols = None if self.dense or len(cols) == nonzero.shape[1] else cols
+            # (a copy, never a weight: the weights are weak keys)
+            self.block = None if self.dense else torch.cat(weights)[rows][:, cols].contiguous()
 
     def fits(self, weights: tuple[torch.Tensor, ...]) -> bool:
-        """Made from these weights as they are now (none changed in place since, nor a view reshaped)."""
-        return self.versions == [_version(w) for w in weights] and self.shapes == [w.shape for w in weights]
+        """Made from these weights as they are now: the same memory, layout and type, none changed in place since
+        (through autograd's version counter: an edit through `.data` is not seen)."""
+        return self.signatures == [_signature(w) for w in weights]
 
     def __call__(self, x: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         if self.block is None:
@@ -56,10 +62,17 @@ _blocks: WeakIdKeyDictionary = WeakIdKeyDictionary()  # by the first weight (a v
 
 def linears(x: torch.Tensor, *weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """`F.linear(x, w)` for each weight, as one product of their nonzero `Block` where that is under `WORTH` of
-    them (one product, not one each: a few ops a round fewer), else as they are. The weights keep their order."""
-    if weights[0].device.type != "cpu" or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
+    them (one product, not one each: a few ops a round fewer), else as they are. The weights keep their order.
+    Dense products on a GPU, under autograd, and for inference tensors (which carry no version counter, so an edit
+    in place would go unseen)."""
+    first = weights[0]
+    if (
+        first.device.type != "cpu"
+        or (torch.is_grad_enabled() and any(w.requires_grad for w in weights))
+        or any(w.is_inference() for w in weights)
+    ):
         return tuple(F.linear(x, w) for w in weights)
-    key = weights[0] if weights[0]._base is None else weights[0]._base
+    key = first if first._base is None else first._base
     block = _blocks.get(key)
     if block is None or not block.fits(weights):
         block = _blocks[key] = Block(weights)
@@ -71,6 +84,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return linears(x, weight)[0]
 
 
-def _version(weight: torch.Tensor) -> int:
-    """The weight's in-place change count (an inference tensor has none: it changes only where it was made)."""
-    return -1 if weight.is_inference() else weight._version
+def _signature(weight: torch.Tensor) -> tuple:
+    """What a block made from `weight` depends on: its memory, layout, type and in-place change count."""
+    return (
+        weight.data_ptr(),
+        weight.storage_offset(),
+        weight.shape,
+        weight.stride(),
+        weight.dtype,
+        weight.device,
+        weight._version,
+    )
