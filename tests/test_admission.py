@@ -104,6 +104,27 @@ def test_what_serving_adds_is_learned_before_another_is_admitted(parts) -> None:
     assert all(c["deadline_misses"] == 0 for c in engine.snapshot().sessions)
 
 
+def test_a_cost_that_grows_faster_than_calibration_is_seen_at_the_newest_load(parts) -> None:
+    """Service costs 1 ms a round more for every pair of streams (threads contending): 14, 32 and 58 ms ticks at
+    1, 2 and 3 streams, where calibration's fit says 14, 24 and 34. After 40 ticks of one, one asks every 4 ticks:
+    the second is admitted; the third, whose ticks would miss, is refused on the ticks at two streams (the code
+    before took their median with the 40 at one, and admitted it)."""
+    clock = SimClock()
+    engine, _ = slow_engine(parts, clock)
+    real_forward = engine.runner.forward
+
+    def contended_forward(batch):
+        clock.now += 0.001 * batch.decode_steps * (batch.decode_steps - 1)
+        return real_forward(batch)
+
+    engine.runner.forward = contended_forward
+    live = [engine.open("duplex", sampling=GREEDY)]
+    serve(engine, clock, live, 40, asks_every=None)
+    refused = serve(engine, clock, live, 40, asks_every=4)
+    assert len(live) == 2 and refused == 9
+    assert engine.stats.deadline_misses == 0
+
+
 @pytest.mark.paced  # a server at real time: alone and last (tests/conftest.py)
 def test_through_the_server_every_admitted_conversation_is_served_whole() -> None:
     """`s2s serve` as a user starts it (the shipped weights, its default threads and admission), in its own process:

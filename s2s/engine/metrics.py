@@ -94,13 +94,20 @@ class CostModel:
         self._service_ratio = self._service_ratio_now() if self.pinned else 1.0
 
     def _service_ratio_now(self) -> float:
-        """The recent service ticks' time over the fit's: their median, at least 1."""
+        """The recent service ticks' time over the fit's: their median, or, when higher, the median of the ticks
+        at the current load (the trailing ticks of the last one's steps, two or more), at least 1. In a burst of
+        arrivals the ticks at lighter loads outnumber those at the newest, and a cost that grows faster than the
+        fit's (threads contending as streams are added) would be seen only after the next were admitted."""
         recent = np.asarray(list(self.samples)[-SERVICE_TICKS:], dtype=np.float64).reshape(-1, 4)
         recent = recent[recent[:, 1] > 0]
         if not len(recent):
             return 1.0
         fitted = np.column_stack([np.ones(len(recent)), recent[:, :3]]) @ self._coef
-        return max(1.0, float(np.median(recent[:, 3] / np.maximum(fitted, 1e-9))))
+        ratios = recent[:, 3] / np.maximum(fitted, 1e-9)
+        other = np.flatnonzero(recent[:, 1] != recent[-1, 1])
+        current = ratios[other[-1] + 1 :] if len(other) else ratios
+        now = float(np.median(current)) if len(current) >= 2 else 0.0
+        return max(1.0, float(np.median(ratios)), now)
 
 
 @dataclass
