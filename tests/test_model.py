@@ -333,9 +333,10 @@ def test_rope_keeps_float32_frequencies_in_a_bf16_model() -> None:
         assert torch.equal(a, b)
 
 
-def test_a_cpu_tick_flushes_denormals_and_restores_the_thread_mode() -> None:
+def test_a_cpu_tick_flushes_denormals_and_stops_after() -> None:
     """The runner's CPU context (`ModelRunner.on_device`, around every tick) computes denormals as zeros, which a
-    CPU otherwise multiplies through a slow microcode assist, and leaves the thread's mode as it found it."""
+    CPU otherwise multiplies through a slow microcode assist, and turns that off when the tick ends (torch has no
+    way to read the mode a thread had: it is off unless something set it)."""
     from s2s.runner.model_runner import flushing_denormals
 
     if not torch.set_flush_denormal(False):
