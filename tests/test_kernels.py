@@ -150,11 +150,13 @@ def test_cpu_groups_keep_padding_small(seqs) -> None:
 @given(
     lens=st.lists(st.integers(1, 70), min_size=1, max_size=6),
     page_size=st.sampled_from([1, 3, 16]),
-    heads=st.sampled_from([(4, 2), (2, 2), (8, 1)]),
+    heads=st.sampled_from([(4, 2), (2, 2), (8, 1), (6, 3)]),
     window=st.sampled_from([None, 1, 9]),
+    threads=st.sampled_from([1, 2, 5]),
 )
-def test_cpu_decode_kernel_equals_reference(lens, page_size, heads, window) -> None:
-    """The C++ decode kernel (CPU, fp32) against the torch reference; it must build on every machine CI uses."""
+def test_cpu_decode_kernel_equals_reference(lens, page_size, heads, window, threads) -> None:
+    """The C++ decode kernel (CPU, fp32) against the torch reference; it must build on every machine CI uses. With
+    more threads than sequences, a slot's KV heads are split between tasks, evenly or not."""
     from paged_kernels import cpu_attention
 
     assert cpu_attention.available(), "the C++ CPU decode kernel failed to build (see the warning)"
@@ -167,7 +169,12 @@ def test_cpu_decode_kernel_equals_reference(lens, page_size, heads, window) -> N
     assert cpu_attention.supports(q, k_cache, causal=True)
     assert not cpu_attention.supports(q, k_cache, causal=False)
     want = reference.paged_attention(q, k_cache, v_cache, page_table, cu, seqlens_k, True, window)
-    got = cpu_attention.paged_decode(q, k_cache, v_cache, page_table, seqlens_k, window, None)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_attention.paged_decode(q, k_cache, v_cache, page_table, seqlens_k, window, None)
+    finally:
+        torch.set_num_threads(before)
     assert (got - want).abs().max() <= 1e-5
 
 
