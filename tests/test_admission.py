@@ -125,6 +125,42 @@ def test_a_cost_that_grows_faster_than_calibration_is_seen_at_the_newest_load(pa
     assert engine.stats.deadline_misses == 0
 
 
+def test_each_stream_is_charged_a_full_window_of_keys(parts) -> None:
+    """Attention costs 11 us a key of context: at the window (176 steps) a stream's tick costs 7.7 ms more than at
+    its first steps. Calibration measures that cost apart (its forwards at a window's keys against a page's);
+    admission charges it to every stream, so of 12 that ask at once 2 are admitted, not the 3 their first ticks fit
+    (4 + 10 N ms, and 4 + 17.7 N once the window is full: 57 ms at 3, 495 frames late with this charge
+    left out). Served long past their windows' filling, none misses."""
+    clock, key_s = SimClock(), 1.1e-5
+    cfg = EngineConfig(num_pages=2000, max_conversations=16, frames_per_tick=4, calibration_ticks=0, max_context=160)
+    engine = Engine(*parts, cfg, clock=clock)
+    forward, attend = engine.runner.forward, engine.runner.attend
+
+    def costly_forward(batch):
+        out = forward(batch)  # (which counts the batch's keys)
+        clock.now += 0.001 + STEP_S * batch.decode_steps + 0.00005 * batch.prefill_steps + key_s * batch.keys
+        return out
+
+    def costly_attend(rows: int, keys: int) -> None:
+        attend(rows, keys)
+        clock.now += 0.001 + STEP_S * rows + key_s * rows * keys
+
+    engine.runner.forward, engine.runner.attend = costly_forward, costly_attend
+    engine.cfg = EngineConfig(**{**cfg.__dict__, "calibration_ticks": 16})
+    calibrate(engine)
+    assert engine.cost.key_seconds == pytest.approx(key_s)
+    assert engine.admission.window_keys == 176
+    live, refused = [], 0
+    for _ in range(12):
+        try:
+            live.append(engine.open("duplex", sampling=GREEDY))
+        except Refused:
+            refused += 1
+    assert len(live) == 2 and refused == 10
+    serve(engine, clock, live, 120, asks_every=None)  # 480 steps each: the window is full from step 176
+    assert engine.stats.deadline_misses == 0
+
+
 @pytest.mark.paced  # a server at real time: alone and last (tests/conftest.py)
 def test_through_the_server_every_admitted_conversation_is_served_whole() -> None:
     """`s2s serve` as a user starts it (the shipped weights, its default threads and admission), in its own process:

@@ -78,3 +78,26 @@ def test_forgotten_warm_up_ticks_leave_the_fit() -> None:
     cost.forget_after(20)
     assert len(cost.samples) == 20
     assert cost.predict(FRAMES_PER_TICK, FRAMES_PER_TICK) == pytest.approx(0.02)
+
+
+def test_reading_keys_is_charged_at_the_measured_rate_and_not_mistaken_for_service_overhead() -> None:
+    """Ticks whose keys (context) grow: with `key_seconds` known, the fit of the rest is that of short contexts,
+    service ticks at long contexts raise no service ratio, and a prediction charges the keys it is given."""
+    per_key, base = 4e-6, lambda rounds, steps: 0.002 + 0.0005 * rounds + 0.006 * steps
+    cost = CostModel()
+    cost.key_seconds = per_key
+    for n in (1, 2, 4):  # calibration: short contexts
+        for _ in range(16):
+            steps = FRAMES_PER_TICK * n
+            cost.observe(FRAMES_PER_TICK, steps, 0, base(FRAMES_PER_TICK, steps) + per_key * steps * 50, steps * 50)
+    cost.pin()
+    for context in range(100, 3000, 50):  # one and two conversations in service, their contexts growing
+        steps = FRAMES_PER_TICK * (1 + context // 50 % 2)
+        cost.observe(
+            FRAMES_PER_TICK, steps, 0, base(FRAMES_PER_TICK, steps) + per_key * steps * context, steps * context
+        )
+    for n in (1, 8):
+        steps = n * FRAMES_PER_TICK
+        want = base(FRAMES_PER_TICK, steps) + per_key * steps * 2000
+        assert cost.predict(FRAMES_PER_TICK, steps, keys=steps * 2000) == pytest.approx(want, rel=0.02)
+        assert cost.predict(FRAMES_PER_TICK, steps) == pytest.approx(base(FRAMES_PER_TICK, steps), rel=0.02)

@@ -1,9 +1,11 @@
 """The engine's calibration: real ticks (codec and model) on silent duplex sessions before it serves, like vLLM's
-profiling run, so that admission is right from the first burst."""
+profiling run, so that admission is right from the first burst; and what attention to a full window's keys costs,
+which short calibration sessions cannot show (`key_seconds`)."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -12,11 +14,15 @@ from codec import Tokenizer
 from s2s.engine.config import EngineConfig
 from s2s.engine.metrics import CostModel, EngineStats
 from s2s.models.model import S2SModel
+from s2s.runner.model_runner import ModelRunner
 from s2s.runner.sampling import SamplingParams
+from s2s.scheduling.scheduler import Admission
 
 # frames at each size the cost model does not learn from: first calls at a new batch size, and the codec's streams
 # starting (the encoder holds its first codes for 7 frames, then the decoder re-decodes 7)
 WARMUP_FRAMES = 16
+KEY_ROWS = 4  # decode steps of `key_seconds`' forwards, each over pages of its own (as many streams' are)
+KEY_REPEATS = 5  # timed forwards at each length, after one that warms up
 
 
 class Calibrated(Protocol):
@@ -27,6 +33,9 @@ class Calibrated(Protocol):
     tok: Tokenizer | None
     cost: CostModel
     stats: EngineStats
+    runner: ModelRunner
+    admission: Admission
+    clock: Callable[[], float]
 
     def open(self, mode: str = ..., *, sampling: SamplingParams | None = ..., admit: bool = ...) -> str: ...
     def push_audio(self, cid: str, pcm: np.ndarray) -> None: ...
@@ -61,5 +70,28 @@ def calibrate(engine: Calibrated) -> None:
                 engine.cost.forget_after(kept)
         for cid in cids:
             engine.discard(cid)
+    if cfg.calibration_ticks:
+        engine.cost.key_seconds = key_seconds(engine)
     engine.cost.pin()  # several batch sizes: service ticks alone may not tell rounds from steps
     engine.stats.clear()
+
+
+def key_seconds(engine: Calibrated) -> float:
+    """Seconds a decode step spends on each key of context, every layer: the median forward of `KEY_ROWS` steps at a
+    full window's keys (`Admission.window_keys`, or what the pool holds) less that at one page's, over the keys
+    between. Reading keys is bound by memory, so each step reads pages of its own, as in service."""
+    runner = engine.runner
+    page = runner.pool.page_size
+    pages = runner.pool.k[0].shape[0] - 1  # (page 0 aside)
+    rows = max(1, min(KEY_ROWS, pages // math.ceil(engine.admission.window_keys / page)))
+    keys = min(engine.admission.window_keys, pages // rows * page)
+    if keys <= page:
+        return 0.0
+    times: dict[int, list[float]] = {page: [], keys: []}
+    for _ in range(1 + KEY_REPEATS):
+        for n, seen in times.items():
+            start = engine.clock()
+            runner.attend(rows, n)
+            seen.append(engine.clock() - start)
+    long, short = (float(np.median(times[n][1:])) for n in (keys, page))
+    return max(0.0, long - short) / (rows * (keys - page))

@@ -121,7 +121,13 @@ class Engine(Calls, CommandHandlers):
         self.rounds = Rounds(self.scheduler, self.lane, self.kv, cfg)
         self.cost = CostModel()
         self.admission = Admission(
-            self.cost, cfg.max_conversations, self.kv.capacity, cfg.frames_per_tick, cfg.tick_s, cfg.admission_headroom
+            self.cost,
+            cfg.max_conversations,
+            self.kv.capacity,
+            cfg.frames_per_tick,
+            cfg.tick_s,
+            cfg.admission_headroom,
+            self.bound.most_seen(self.bound.sink_pages(1)),
         )
         self.sessions: dict[str, Session] = {}  # live, in the order they opened: the engine thread's alone
         self.voices: dict[str, Prompt] = {}  # named voice prompts
@@ -313,7 +319,8 @@ class Engine(Calls, CommandHandlers):
     def _record(self, start: float, rounds: list[RoundBatch]) -> None:
         decode, prefill = sum(b.decode_steps for b in rounds), sum(b.prefill_steps for b in rounds)
         elapsed = self.clock() - start
-        self.cost.observe(len(rounds), decode, prefill, elapsed)  # the whole tick: what must fit the frame budget
+        keys = sum(b.keys for b in rounds)
+        self.cost.observe(len(rounds), decode, prefill, elapsed, keys)  # the whole tick: what must fit the frame budget
         self.stats.record_tick(elapsed, prefill)
         self._publish()
 

@@ -22,7 +22,8 @@ RECENT_TICKS = 16  # the ticks whose mean time says how busy the engine is now (
 
 
 class CostModel:
-    """tick seconds ~ a + r * rounds + b * decode steps + c * prefill steps, least squares over the recent ticks.
+    """tick seconds ~ a + r * rounds + b * decode steps + c * prefill steps + k * keys, least squares over the
+    recent ticks but for `key_seconds` (k), which calibration measures.
 
     A tick runs up to `frames_per_tick` rounds, each one batched forward and sampling over every due conversation.
     On a GPU a small model's round costs its kernel launches whatever the batch, so cost follows rounds, not steps;
@@ -38,12 +39,20 @@ class CostModel:
     serving costs. (Charged per step instead, a server's per-tick overhead at one stream read as a large cost per
     step, and a second stream was refused at 30 ms ticks of 53.)
 
+    Keys are the steps of context a tick's steps attend to, all together. Reading them grows with a conversation's
+    length (on a CPU, memory-bound: 8 conversations of the shipped echo at 1,100 steps read ~20 ms of a 53 ms tick),
+    so a fit over ticks of short conversations, calibration's, cannot foresee it; and a fit over service ticks sees
+    it only once it is there, after admission. So `key_seconds` is measured apart (`calibrate`), taken off each
+    sample's time before the fit, and admission charges every stream the keys of a full window: a conversation it
+    admits may run that long.
+
     The engine thread observes; admission predicts from callers' threads: a lock keeps the two apart.
     """
 
     def __init__(self, window: int = 400):
-        self.samples: deque[tuple[int, int, int, float]] = deque(maxlen=window)
-        self.pinned: list[tuple[int, int, int, float]] = []
+        self.samples: deque[tuple[int, int, int, int, float]] = deque(maxlen=window)
+        self.pinned: list[tuple[int, int, int, int, float]] = []
+        self.key_seconds = 0.0  # a step's attention to one key of context, every layer (`calibrate` measures it)
         self._coef: np.ndarray | None = None
         self._service_ratio = 1.0
         self._dirty = False
@@ -61,13 +70,13 @@ class CostModel:
                 self.samples.pop()
             self._dirty = True
 
-    def observe(self, rounds: int, decode_steps: int, prefill_steps: int, seconds: float) -> None:
+    def observe(self, rounds: int, decode_steps: int, prefill_steps: int, seconds: float, keys: int = 0) -> None:
         if decode_steps or prefill_steps:
             with self._lock:
-                self.samples.append((rounds, decode_steps, prefill_steps, seconds))
+                self.samples.append((rounds, decode_steps, prefill_steps, keys, seconds))
                 self._dirty = True
 
-    def predict(self, rounds: int, decode_steps: int, prefill_steps: int = 0) -> float | None:
+    def predict(self, rounds: int, decode_steps: int, prefill_steps: int = 0, keys: int = 0) -> float | None:
         """Predicted seconds of a tick, or None before there is data to say."""
         with self._lock:
             if self._dirty:
@@ -76,20 +85,21 @@ class CostModel:
             ratio = self._service_ratio
         if coef is None:
             return None
-        return float(coef @ np.array([1.0, rounds, decode_steps, prefill_steps])) * ratio
+        return (float(coef @ np.array([1.0, rounds, decode_steps, prefill_steps])) + self.key_seconds * keys) * ratio
 
     def _fit(self) -> None:
         self._dirty = False
         if not self.samples and not self.pinned:
             return
         s = np.asarray(self.pinned + list(self.samples), dtype=np.float64)
+        rest = np.maximum(s[:, 4] - self.key_seconds * s[:, 3], 0.0)  # a tick's time but for reading its keys
         if len(s) < 16 or len(np.unique(s[:, 1])) < 2:
             # little data, or one batch size so far: assume cost proportional to the steps (cautious)
             steps = np.maximum(s[:, 1] + 0.05 * s[:, 2], 1)
-            self._coef = np.array([0.0, 0.0, float(np.percentile(s[:, 3] / steps, 90)), 0.0])
+            self._coef = np.array([0.0, 0.0, float(np.percentile(rest / steps, 90)), 0.0])
         else:
             x = np.column_stack([np.ones(len(s)), s[:, :3]])
-            coef, *_ = np.linalg.lstsq(x, s[:, 3], rcond=None)
+            coef, *_ = np.linalg.lstsq(x, rest, rcond=None)
             self._coef = np.maximum(coef, 0.0)
         self._service_ratio = self._service_ratio_now() if self.pinned else 1.0
 
@@ -98,12 +108,12 @@ class CostModel:
         at the current load (the trailing ticks of the last one's steps, two or more), at least 1. In a burst of
         arrivals the ticks at lighter loads outnumber those at the newest, and a cost that grows faster than the
         fit's (threads contending as streams are added) would be seen only after the next were admitted."""
-        recent = np.asarray(list(self.samples)[-SERVICE_TICKS:], dtype=np.float64).reshape(-1, 4)
+        recent = np.asarray(list(self.samples)[-SERVICE_TICKS:], dtype=np.float64).reshape(-1, 5)
         recent = recent[recent[:, 1] > 0]
         if not len(recent):
             return 1.0
-        fitted = np.column_stack([np.ones(len(recent)), recent[:, :3]]) @ self._coef
-        ratios = recent[:, 3] / np.maximum(fitted, 1e-9)
+        fitted = np.column_stack([np.ones(len(recent)), recent[:, :3]]) @ self._coef + self.key_seconds * recent[:, 3]
+        ratios = recent[:, 4] / np.maximum(fitted, 1e-9)
         other = np.flatnonzero(recent[:, 1] != recent[-1, 1])
         current = ratios[other[-1] + 1 :] if len(other) else ratios
         now = float(np.median(current)) if len(current) >= 2 else 0.0

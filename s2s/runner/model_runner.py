@@ -67,6 +67,22 @@ class ModelRunner:
             tokens = torch.zeros(steps, cfg.step_width, dtype=torch.long, device=self.device)
             self.model.forward_paged(tokens, batch, self.pool.k, self.pool.v)
 
+    @torch.inference_mode()
+    def attend(self, rows: int, keys: int) -> None:
+        """A forward of `rows` decode steps, each over `keys` steps of context in pages of its own across the pool,
+        storing nothing (the pages hold whatever they hold): what reading keys costs (calibration's `key_seconds`)."""
+        ps, pool_pages = self.pool.page_size, self.pool.k[0].shape[0]
+        count = -(-keys // ps)
+        order = np.random.default_rng(0).permutation(np.arange(1, pool_pages))  # scattered, as a pool's pages get
+        pages = np.resize(order, rows * count).reshape(rows, count)
+        batch = PagedBatch.build([keys - 1] * rows, [1] * rows, pages.tolist(), ps, self.device)
+        batch.slot_mapping.fill_(-1)
+        tokens = torch.zeros(rows, self.model.config.step_width, dtype=torch.long, device=self.device)
+        with self.on_device():
+            self.model.forward_paged(tokens, batch, self.pool.k, self.pool.v, self.batch_invariant)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def forward(self, batch: RoundBatch) -> torch.Tensor:
         """Logits `[len(batch), K, V]` of each piece of work's last step, then of each lane row's step; K/V of every
         step go into its pages."""
@@ -83,6 +99,7 @@ class ModelRunner:
             new_lens = np.concatenate([new_lens, np.ones(len(lane), dtype=np.int64)])
             lengths = np.concatenate([lengths, lane.lengths])
             table = stack_tables(table, lane.table)
+        batch.keys = int(((cached + new_lens) * new_lens).sum())  # (the cost model's: what attention reads)
         fill = None  # (the lane's rows are the last)
         if lane is not None and lane.fill is not None:
             fill = lambda tokens, to_device: lane.fill_into(tokens[len(tokens) - len(lane) :], to_device)  # noqa: E731

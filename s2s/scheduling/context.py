@@ -67,9 +67,13 @@ class ContextBound:
         """The most pages a conversation holds: its sink, the window and what turn mode keeps behind it."""
         return sink + self.window_pages + (self.rewind_pages if mode == "turn" else 0)
 
+    def most_seen(self, sink_pages: int) -> int:
+        """The most steps a step sees: its sink's and the window's."""
+        return (sink_pages + self.window_pages) * self.page_size
+
     def check_positions(self, sink_pages: int, limit: int) -> None:
         """What a step sees (its sink and window) stays within the `limit` positions the model was built for."""
-        seen = (sink_pages + self.window_pages) * self.page_size
+        seen = self.most_seen(sink_pages)
         if seen > limit:
             raise ValueError(
                 f"a step would see {seen} steps (a sink of {sink_pages} pages and a window of "

@@ -159,8 +159,12 @@ class Admission:
     A session is charged what it costs: a real-time stream (one step per frame, and its audio through the codec)
     while its user's audio comes in or it replies (`Session.streaming`), nothing while it sits silent or paused,
     which is when an idle socket would otherwise hold a speaker's worst case. The newcomer counts as a stream. Turn
-    sessions count like duplex ones when they stream: counting only duplex let 16 turn sessions starve together. An
-    idle engine always admits one: nothing else would ever correct a pessimistic cost model."""
+    sessions count like duplex ones when they stream: counting only duplex let 16 turn sessions starve together. Each
+    stream's steps are charged the keys of a full window (`window_keys`), whatever its context now: the cost model's
+    `key_seconds`: a conversation admitted at its first step may talk until its window is full. Admitting on the
+    cost of the contexts of the moment, the engine let in 4 to 7 clients of 15 s of speech that then fell hundreds
+    to thousands of frames behind as their contexts grew (bench/RESULTS.md, issue 48). An idle engine always admits
+    one: nothing else would ever correct a pessimistic cost model."""
 
     def __init__(
         self,
@@ -170,11 +174,14 @@ class Admission:
         frames_per_tick: int,
         tick_s: float,
         headroom: float,
+        window_keys: int,
     ):
         """`kv_capacity`: sessions whose pages, reserved at open, fit the pool (naive mode), or None (no bound);
-        `tick_s`: the `frames_per_tick` frames' duration, the budget a tick must fit."""
+        `tick_s`: the `frames_per_tick` frames' duration, the budget a tick must fit; `window_keys`: the most steps a
+        step attends to."""
         self.cost, self.max_sessions, self.kv_capacity = cost, max_sessions, kv_capacity
         self.frames_per_tick, self.tick_s, self.headroom = frames_per_tick, tick_s, headroom
+        self.window_keys = window_keys
 
     def problem(self, sessions: int, streams: int) -> str | None:
         """Why a session cannot be admitted beside `sessions` others, `streams` of them streaming, or None."""
@@ -188,7 +195,8 @@ class Admission:
         if not sessions:
             return None
         streams += 1
-        predicted = self.cost.predict(self.frames_per_tick, streams * self.frames_per_tick)
+        steps = streams * self.frames_per_tick
+        predicted = self.cost.predict(self.frames_per_tick, steps, keys=steps * self.window_keys)
         budget = self.tick_s * self.headroom
         if predicted is not None and predicted > budget:
             return (
