@@ -1,7 +1,7 @@
 """Concurrency benchmark: duplex and turn sweeps through the real server, clients over websockets.
 
     s2s bench concurrency [--quick] [--json PATH] [--plot PATH] [--model DIR | --preset NAME] [--levels 1,2,4,8,16,32]
-        [--modes duplex,turn] [--client-procs P] [--ramp-s 3.2]
+        [--modes duplex,turn] [--client-procs P] [--ramp-s 3.2] [--max-context-s S]
 
 `s2s serve` runs in a child process (its own GIL, as in use), one per mode, on the weights a user runs: by default the
 shipped codec and echo model (what `s2s serve` serves with no flags), or `--model DIR` (a model folder), or `--preset
@@ -218,6 +218,9 @@ def main() -> None:
         "--frontends", type=int, default=None, help="the server's front-end processes (default: the server's own)"
     )
     p.add_argument("--ramp-s", type=float, default=3.2, help="clients start 0.1 s apart, or over this many seconds")
+    p.add_argument(
+        "--max-context-s", type=float, default=None, help="the server's attention window (default: the server's own)"
+    )
     add_device_args(p)
     args = p.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
@@ -234,6 +237,8 @@ def main() -> None:
     serve_args += ["--max-conversations-per-client", "0"]  # every client connects from this host
     if args.frontends is not None:
         serve_args += ["--frontends", str(args.frontends)]
+    if args.max_context_s is not None:  # (admission charges every stream a full window's attention)
+        serve_args += ["--max-context-s", str(args.max_context_s)]
     pages = max(levels) * (math.ceil((args.seconds + 1) / choice.frame_s / 16) + 2)  # each one's speech, and its reply
     serve_args += ["--max-conversations", str(max(32, max(levels))), "--kv-pages", str(max(4096, pages))]
     device = device_name(args.device)
@@ -262,6 +267,7 @@ def main() -> None:
                         "client_procs": args.client_procs,
                         "frontends": args.frontends,
                         "seconds_per_client": args.seconds,
+                        "max_context_s": args.max_context_s,
                         **row,
                         **environment(),
                     }

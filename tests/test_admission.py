@@ -31,23 +31,43 @@ def parts() -> tuple[S2SModel, EncodecTokenizer]:
     return S2SModel.from_seed(ModelConfig.preset("tiny"), seed=0), EncodecTokenizer.from_pretrained(seed=0)
 
 
-def slow_engine(parts, clock: SimClock, serving_extra_s: float = 0.0) -> tuple[Engine, dict]:
-    """An engine whose forward costs simulated time, calibrated on that machine as `Engine` does at start. From
-    then on each decode step costs `serving_extra_s` more (`extra["s"]`): what a server's threads add in service,
-    which calibration cannot see."""
-    cfg = EngineConfig(num_pages=2000, max_conversations=16, frames_per_tick=4, calibration_ticks=0)
+def slow_engine(
+    parts, clock: SimClock, serving_extra_s: float = 0.0, key_s: float = 0.0, **config
+) -> tuple[Engine, dict]:
+    """An engine whose forward costs simulated time, calibrated on that machine as `Engine` does at start: a round 1
+    ms, a decode step `STEP_S`, and each key of context a step attends to `key_s` (also in calibration's forwards
+    at a window's keys). From then on each decode step costs `serving_extra_s` more (`extra["s"]`): what a server's
+    threads add in service, which calibration cannot see. `config`: `EngineConfig` fields."""
+    cfg = EngineConfig(num_pages=2000, max_conversations=16, frames_per_tick=4, calibration_ticks=0, **config)
     engine = Engine(*parts, cfg, clock=clock)
-    real_forward, extra = engine.runner.forward, {"s": 0.0}
+    real_forward, real_attend, extra = engine.runner.forward, engine.runner.attend, {"s": 0.0}
 
     def costly_forward(batch):
+        out = real_forward(batch)  # (which counts the batch's keys)
         clock.now += 0.001 + (STEP_S + extra["s"]) * batch.decode_steps + 0.00005 * batch.prefill_steps
-        return real_forward(batch)
+        clock.now += key_s * batch.keys
+        return out
 
-    engine.runner.forward = costly_forward
+    def costly_attend(rows: int, keys: int) -> None:
+        real_attend(rows, keys)
+        clock.now += 0.001 + STEP_S * rows + key_s * rows * keys
+
+    engine.runner.forward, engine.runner.attend = costly_forward, costly_attend
     engine.cfg = EngineConfig(**{**cfg.__dict__, "calibration_ticks": 16})
     calibrate(engine)
     extra["s"] = serving_extra_s
     return engine, extra
+
+
+def burst(engine: Engine, asks: int) -> tuple[list[str], int]:
+    """`asks` conversations ask at once: those admitted, and how many were refused."""
+    live, refused = [], 0
+    for _ in range(asks):
+        try:
+            live.append(engine.open("duplex", sampling=GREEDY))
+        except Refused:
+            refused += 1
+    return live, refused
 
 
 def tone(tick: int) -> np.ndarray:
@@ -78,12 +98,7 @@ def test_a_burst_at_the_first_tick_is_admitted_only_as_far_as_calibration_says_f
     """Twelve ask before the engine has served a tick: calibration alone decides, and none admitted misses."""
     clock = SimClock()
     engine, _ = slow_engine(parts, clock)
-    live, refused = [], 0
-    for _ in range(12):
-        try:
-            live.append(engine.open("duplex", sampling=GREEDY))
-        except Refused:
-            refused += 1
+    live, refused = burst(engine, 12)
     budget = engine.cfg.tick_s * engine.cfg.admission_headroom
     fits = int((budget - 0.004) // (4 * STEP_S))  # 4 rounds of 1 ms, and 4 steps a stream
     assert len(live) == fits and refused == 12 - fits
@@ -132,30 +147,10 @@ def test_each_stream_is_charged_a_full_window_of_keys(parts) -> None:
     (4 + 10 N ms, and 4 + 17.7 N once the window is full: 57 ms at 3, 495 frames late with this charge
     left out). Served long past their windows' filling, none misses."""
     clock, key_s = SimClock(), 1.1e-5
-    cfg = EngineConfig(num_pages=2000, max_conversations=16, frames_per_tick=4, calibration_ticks=0, max_context=160)
-    engine = Engine(*parts, cfg, clock=clock)
-    forward, attend = engine.runner.forward, engine.runner.attend
-
-    def costly_forward(batch):
-        out = forward(batch)  # (which counts the batch's keys)
-        clock.now += 0.001 + STEP_S * batch.decode_steps + 0.00005 * batch.prefill_steps + key_s * batch.keys
-        return out
-
-    def costly_attend(rows: int, keys: int) -> None:
-        attend(rows, keys)
-        clock.now += 0.001 + STEP_S * rows + key_s * rows * keys
-
-    engine.runner.forward, engine.runner.attend = costly_forward, costly_attend
-    engine.cfg = EngineConfig(**{**cfg.__dict__, "calibration_ticks": 16})
-    calibrate(engine)
+    engine, _ = slow_engine(parts, clock, key_s=key_s, max_context=160)
     assert engine.cost.key_seconds == pytest.approx(key_s)
     assert engine.admission.window_keys == 176
-    live, refused = [], 0
-    for _ in range(12):
-        try:
-            live.append(engine.open("duplex", sampling=GREEDY))
-        except Refused:
-            refused += 1
+    live, refused = burst(engine, 12)
     assert len(live) == 2 and refused == 10
     serve(engine, clock, live, 120, asks_every=None)  # 480 steps each: the window is full from step 176
     assert engine.stats.deadline_misses == 0
