@@ -49,6 +49,10 @@ class TransformersRunner(ModelRunner):
         self.llama.load_state_dict(model.backbone.state_dict(), strict=False)
         self.caches: dict[str, DynamicCache] = {}  # by session id (a `Session` takes no new attributes)
 
+    def attend(self, rows: int, keys: int) -> None:
+        """Nothing: this loop has no paged attention to time, so its admission charges no window (as before d293da2,
+        which charges the engine's)."""
+
     def forward(self, batch) -> torch.Tensor:
         assert batch.lane is None, "the transformers loop steps every conversation as its own work"
         logits = []

@@ -6,7 +6,7 @@ torch's inline extension loader) reads each key and value once, in place, with a
 per sequence, on as many threads as torch uses (torch's own `at::parallel_for` measured 1.7x slower here for this
 loop). A task reads a slot's KV heads one after another, a run of memory, and a page's slots in order: read a head
 at a time, the keys of a head lie a slot's width apart, and from memory (8 sequences of 1,100 steps) that took
-2.4-2.9x as long. Only with more threads than sequences are a slot's heads split between tasks. fp32 only;
+2.3-2.9x as long. Only with more threads than sequences are a slot's heads split between tasks. fp32 only;
 otherwise decode goes to the reference too.
 
 Extend (more than one query a sequence: prefill) goes to the reference, whose matmuls are far faster than a scalar
@@ -43,10 +43,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     const int64_t S = q.size(0), HQ = q.size(1), D = q.size(2);
     const int64_t PS = k_cache.size(1), HKV = k_cache.size(2), G = HQ / HKV;
     const int64_t page_stride = k_cache.stride(0), slot_stride = k_cache.stride(1), head_stride = k_cache.stride(2);
+    auto out = torch::empty_like(q);
+    if (S == 0) return out;
     // KV heads a task: all of a slot's, unless there are more threads than sequences
     const int64_t blocks = std::min<int64_t>(HKV, std::max<int64_t>(1, (threads + S - 1) / S));
-    const int64_t per_block = (HKV + blocks - 1) / blocks;
-    auto out = torch::empty_like(q);
     const float* qp = q.data_ptr<float>();
     const float* kp = k_cache.data_ptr<float>();
     const float* vp = v_cache.data_ptr<float>();
@@ -59,7 +59,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads)
     for (int64_t s = 0; s < S; ++s) {
         for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t h0 = b * per_block, h1 = std::min<int64_t>(HKV, h0 + per_block);
+            const int64_t h0 = b * HKV / blocks, h1 = (b + 1) * HKV / blocks;
             const int64_t len = lens[s];
             const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
             std::vector<float> acc(HQ * D, 0.f), m(HQ, -std::numeric_limits<float>::infinity()), l(HQ, 0.f);

@@ -154,6 +154,8 @@ def test_each_stream_is_charged_a_full_window_of_keys(parts) -> None:
     assert len(live) == 2 and refused == 10
     serve(engine, clock, live, 120, asks_every=None)  # 480 steps each: the window is full from step 176
     assert engine.stats.deadline_misses == 0
+    _, steps, _, keys, _ = engine.cost.samples[-1]  # a step sees its sink's page and 9 to 10 of the window's
+    assert steps == 8 and 176 - 16 < keys / steps <= 176, keys
 
 
 @pytest.mark.paced  # a server at real time: alone and last (tests/conftest.py)

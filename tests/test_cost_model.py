@@ -85,7 +85,7 @@ def test_reading_keys_is_charged_at_the_measured_rate_and_not_mistaken_for_servi
     service ticks at long contexts raise no service ratio, and a prediction charges the keys it is given."""
     per_key, base = 4e-6, lambda rounds, steps: 0.002 + 0.0005 * rounds + 0.006 * steps
     cost = CostModel()
-    cost.key_seconds = per_key
+    cost.set_key_seconds(per_key)
     for n in (1, 2, 4):  # calibration: short contexts
         for _ in range(16):
             steps = FRAMES_PER_TICK * n

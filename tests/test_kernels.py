@@ -150,9 +150,9 @@ def test_cpu_groups_keep_padding_small(seqs) -> None:
 @given(
     lens=st.lists(st.integers(1, 70), min_size=1, max_size=6),
     page_size=st.sampled_from([1, 3, 16]),
-    heads=st.sampled_from([(4, 2), (2, 2), (8, 1), (6, 3)]),
+    heads=st.sampled_from([(4, 2), (2, 2), (8, 1), (6, 3), (8, 4)]),
     window=st.sampled_from([None, 1, 9]),
-    threads=st.sampled_from([1, 2, 5]),
+    threads=st.sampled_from([1, 2, 3, 5]),
 )
 def test_cpu_decode_kernel_equals_reference(lens, page_size, heads, window, threads) -> None:
     """The C++ decode kernel (CPU, fp32) against the torch reference; it must build on every machine CI uses. With

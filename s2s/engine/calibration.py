@@ -71,7 +71,7 @@ def calibrate(engine: Calibrated) -> None:
         for cid in cids:
             engine.discard(cid)
     if cfg.calibration_ticks:
-        engine.cost.key_seconds = key_seconds(engine)
+        engine.cost.set_key_seconds(key_seconds(engine))
     engine.cost.pin()  # several batch sizes: service ticks alone may not tell rounds from steps
     engine.stats.clear()
 

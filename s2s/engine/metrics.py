@@ -39,7 +39,8 @@ class CostModel:
     serving costs. (Charged per step instead, a server's per-tick overhead at one stream read as a large cost per
     step, and a second stream was refused at 30 ms ticks of 53.)
 
-    Keys are the steps of context a tick's steps attend to, all together. Reading them grows with a conversation's
+    Keys are the steps of context a tick's decode steps attend to, all together (a prefill's attention runs as
+    matrix products, a cost of its steps). Reading them grows with a conversation's
     length (on a CPU, memory-bound: 8 conversations of the shipped echo at 1,100 steps read ~20 ms of a 53 ms tick),
     so a fit over ticks of short conversations, calibration's, cannot foresee it; and a fit over service ticks sees
     it only once it is there, after admission. So `key_seconds` is measured apart (`calibrate`), taken off each
@@ -52,11 +53,17 @@ class CostModel:
     def __init__(self, window: int = 400):
         self.samples: deque[tuple[int, int, int, int, float]] = deque(maxlen=window)
         self.pinned: list[tuple[int, int, int, int, float]] = []
-        self.key_seconds = 0.0  # a step's attention to one key of context, every layer (`calibrate` measures it)
+        self.key_seconds = 0.0  # a step's attention to one key of context, every layer (`set_key_seconds`)
         self._coef: np.ndarray | None = None
         self._service_ratio = 1.0
         self._dirty = False
         self._lock = threading.Lock()
+
+    def set_key_seconds(self, seconds: float) -> None:
+        """What a decode step's attention to one key costs (`calibrate` measures it); the fit is made again."""
+        with self._lock:
+            self.key_seconds = seconds
+            self._dirty = True
 
     def pin(self) -> None:
         with self._lock:

@@ -68,8 +68,9 @@ class Registry:
 
     def _problem(self, admit: bool) -> str | None:
         now = self.clock()
-        streams = sum(s.streaming(now) for s in self._open.values())
-        reason = self.admission.problem(len(self._open), streams) if admit else None
+        streams = [s for s in self._open.values() if s.streaming(now)]
+        keys = sum(self.bound.most_seen(s.sink) for s in streams)  # (a voice prompt's sink is seen too)
+        reason = self.admission.problem(len(self._open), len(streams), keys) if admit else None
         if reason is None and not self._free_rows:
             reason = f"the engine holds its maximum of {len(self._open)} conversations (one a codec row)"
         return reason

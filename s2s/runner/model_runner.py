@@ -99,7 +99,7 @@ class ModelRunner:
             new_lens = np.concatenate([new_lens, np.ones(len(lane), dtype=np.int64)])
             lengths = np.concatenate([lengths, lane.lengths])
             table = stack_tables(table, lane.table)
-        batch.keys = int(((cached + new_lens) * new_lens).sum())  # (the cost model's: what attention reads)
+        batch.keys = int((cached + 1)[new_lens == 1].sum())  # decode steps' keys: the cost model's `key_seconds`
         fill = None  # (the lane's rows are the last)
         if lane is not None and lane.fill is not None:
             fill = lambda tokens, to_device: lane.fill_into(tokens[len(tokens) - len(lane) :], to_device)  # noqa: E731

@@ -67,7 +67,7 @@ class RoundBatch:
     sampled: list[tuple[Session, Wanted]] = field(default_factory=list)  # sessions whose last logits are sampled
     lane_logits: torch.Tensor | None = None  # [len(lane), K, V] the lane rows' logits
     computed_at: float = 0.0  # when the forward was in
-    keys: int = 0  # the steps of context its forward's steps attend to, all together (set by the forward)
+    keys: int = 0  # the steps of context its forward's decode steps attend to, all together (set by the forward)
 
     def __len__(self) -> int:
         """Rows of the forward."""

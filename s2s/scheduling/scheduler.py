@@ -160,7 +160,7 @@ class Admission:
     while its user's audio comes in or it replies (`Session.streaming`), nothing while it sits silent or paused,
     which is when an idle socket would otherwise hold a speaker's worst case. The newcomer counts as a stream. Turn
     sessions count like duplex ones when they stream: counting only duplex let 16 turn sessions starve together. Each
-    stream's steps are charged the keys of a full window (`window_keys`), whatever its context now: the cost model's
+    stream's steps are charged the keys of a full window and its sink, whatever its context now: the cost model's
     `key_seconds`: a conversation admitted at its first step may talk until its window is full. Admitting on the
     cost of the contexts of the moment, the engine let in 4 to 7 clients of 15 s of speech that then fell hundreds
     to thousands of frames behind as their contexts grew (bench/RESULTS.md, issue 48). An idle engine always admits
@@ -178,13 +178,14 @@ class Admission:
     ):
         """`kv_capacity`: sessions whose pages, reserved at open, fit the pool (naive mode), or None (no bound);
         `tick_s`: the `frames_per_tick` frames' duration, the budget a tick must fit; `window_keys`: the most steps a
-        step attends to."""
+        newcomer's step attends to (a one-page sink: its voice prompt is not known yet)."""
         self.cost, self.max_sessions, self.kv_capacity = cost, max_sessions, kv_capacity
         self.frames_per_tick, self.tick_s, self.headroom = frames_per_tick, tick_s, headroom
         self.window_keys = window_keys
 
-    def problem(self, sessions: int, streams: int) -> str | None:
-        """Why a session cannot be admitted beside `sessions` others, `streams` of them streaming, or None."""
+    def problem(self, sessions: int, streams: int, keys: int) -> str | None:
+        """Why a session cannot be admitted beside `sessions` others, `streams` of them streaming, whose steps see at
+        most `keys` steps of context together, or None."""
         if sessions >= self.max_sessions:
             return f"the engine holds its maximum of {self.max_sessions} conversations"
         if self.kv_capacity is not None and sessions >= self.kv_capacity:
@@ -196,7 +197,8 @@ class Admission:
             return None
         streams += 1
         steps = streams * self.frames_per_tick
-        predicted = self.cost.predict(self.frames_per_tick, steps, keys=steps * self.window_keys)
+        keys = self.frames_per_tick * (keys + self.window_keys)
+        predicted = self.cost.predict(self.frames_per_tick, steps, keys=keys)
         budget = self.tick_s * self.headroom
         if predicted is not None and predicted > budget:
             return (
