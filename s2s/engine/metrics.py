@@ -41,7 +41,7 @@ class CostModel:
 
     Keys are the steps of context a tick's decode steps attend to, all together (a prefill's attention runs as
     matrix products, a cost of its steps). Reading them grows with a conversation's
-    length (on a CPU, memory-bound: 8 conversations of the shipped echo at 1,100 steps read ~20 ms of a 53 ms tick),
+    length (on a CPU, memory-bound: 4 conversations of the shipped echo at ~1,100 steps read 10.6 ms of a 53 ms tick),
     so a fit over ticks of short conversations, calibration's, cannot foresee it; and a fit over service ticks sees
     it only once it is there, after admission. So `key_seconds` is measured apart (`calibrate`), taken off each
     sample's time before the fit, and admission charges every stream the keys of a full window: a conversation it
@@ -88,11 +88,10 @@ class CostModel:
         with self._lock:
             if self._dirty:
                 self._fit()
-            coef = self._coef
-            ratio = self._service_ratio
+            coef, ratio, per_key = self._coef, self._service_ratio, self.key_seconds
         if coef is None:
             return None
-        return (float(coef @ np.array([1.0, rounds, decode_steps, prefill_steps])) + self.key_seconds * keys) * ratio
+        return (float(coef @ np.array([1.0, rounds, decode_steps, prefill_steps])) + per_key * keys) * ratio
 
     def _fit(self) -> None:
         self._dirty = False
